@@ -1,0 +1,60 @@
+"""Typed engine errors.
+
+Every failure the engine reports to a caller is one of these. Each carries a stable
+machine-readable ``code``; the HTTP status it maps to is decided in one table in the
+handler (``handlers/errors.py``), never here, so the engine stays transport-agnostic.
+"""
+
+
+class EngineError(Exception):
+    """Base class: a failure with a stable code and a message that says what to change."""
+
+    code = "ENGINE_ERROR"
+
+    def __init__(self, message: str, *, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(EngineError):
+    """The request itself is malformed: bad JSON shape, empty question, bad parameters."""
+
+    code = "INVALID_REQUEST"
+
+
+class SessionNotFound(EngineError):
+    """The session id is unknown, closed or expired (``code`` says which)."""
+
+    code = "SESSION_NOT_FOUND"
+
+
+class ImageSourceNotAllowed(EngineError):
+    """The image source (scheme, host or address) is refused by the network policy."""
+
+    code = "IMAGE_SOURCE_NOT_ALLOWED"
+
+
+class ImageTooLarge(EngineError):
+    """The image exceeds the byte or pixel limit."""
+
+    code = "IMAGE_TOO_LARGE"
+
+
+class NotAnImage(EngineError):
+    """The bytes are not an image in an allowed format, or cannot be decoded."""
+
+    code = "NOT_AN_IMAGE"
+
+
+class ImageFetchFailed(EngineError):
+    """The image could not be fetched: connection error, timeout, HTTP error, missing key."""
+
+    code = "IMAGE_FETCH_FAILED"
+
+
+class NoCapacity(EngineError):
+    """The server cannot hold this session now (memory budget); retry later or elsewhere."""
+
+    code = "NO_CAPACITY"
