@@ -41,6 +41,22 @@ class ChatPrompt:
         """The whole prompt for the first question, up to where the answer starts."""
         return self._render([_user(question, with_image)], generation_prompt=True)
 
+    def opening(self, with_image: bool) -> str:
+        """The text before the first question (system text, image slot): prefilled at open."""
+        text = self.first_turn(_PROBE_QUESTION, with_image)
+        cut = text.rfind(_PROBE_QUESTION)
+        if cut < 0:
+            raise ValueError("chat template does not render the question verbatim")
+        return text[:cut]
+
+    def first_question(self, question: str, with_image: bool) -> str:
+        """The text that follows :meth:`opening` to ask the first question."""
+        opening = self.opening(with_image)
+        text = self.first_turn(question, with_image)
+        if not text.startswith(opening):
+            raise ValueError("chat template is not append-only: the question rewrites the opening")
+        return text[len(opening) :]
+
     def follow_up(self, question: str) -> str:
         """The text that follows a finished answer to ask ``question``."""
         history = [_user(_PROBE_QUESTION), _assistant(_PROBE_ANSWER)]
@@ -48,7 +64,7 @@ class ChatPrompt:
         after = self._render(history + [_user(question)], generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("chat template is not append-only: a new turn rewrites earlier text")
-        return after[len(before):]
+        return after[len(before) :]
 
     def check_append_only(self) -> None:
         """Raise ValueError unless asking a follow-up only appends to the first turn's text."""
@@ -58,4 +74,5 @@ class ChatPrompt:
         )
         if not two_turns.startswith(first):
             raise ValueError("chat template is not append-only: the answer rewrites the prompt")
+        self.first_question("Another question?", with_image=True)
         self.follow_up(_PROBE_QUESTION)

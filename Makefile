@@ -1,0 +1,38 @@
+# The public interface: test, demo, serve, stop, mar, bench (names and meaning stay stable).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODEL_DIR ?= models/demo-llava
+
+.PHONY: setup test lint demo bench build-demo-model clean
+
+# torch==2.13.0 goes in first: it is the local CPU wheel; anything that depends on torch
+# installed before it would pull a multi-GB CUDA build.
+$(VENV)/.installed: setup.cfg pyproject.toml
+	command -v java >/dev/null || (apt-get update && apt-get install -y openjdk-17-jre-headless)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[serve,dev,notebook]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) scripts/demo.py --model-dir $(MODEL_DIR)
+
+bench: setup
+	$(PY) scripts/bench_turns.py
+
+# Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
+build-demo-model: setup
+	$(PY) scripts/build_demo_model.py --out $(MODEL_DIR)
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache

@@ -1,0 +1,85 @@
+"""Generation parameters: parsed and bounded once, so the decode loop can trust them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from llava.errors import InvalidRequest
+
+# Names accepted from the wire, with the aliases that HF/TGI-style clients send.
+_ALIASES = {"max_tokens": "max_new_tokens"}
+_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed"}
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """``temperature == 0`` or ``do_sample == False`` means greedy decoding."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    do_sample: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    @classmethod
+    def from_mapping(
+        cls,
+        values: dict[str, Any] | None,
+        *,
+        default_max_new_tokens: int,
+        max_new_tokens_limit: int,
+    ) -> GenerationParams:
+        """Validate client parameters; anything out of range is an InvalidRequest."""
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise InvalidRequest("'parameters' must be a JSON object")
+        values = {_ALIASES.get(k, k): v for k, v in values.items()}
+        unknown = sorted(set(values) - _KNOWN)
+        if unknown:
+            raise InvalidRequest(
+                f"unknown generation parameters: {', '.join(unknown)}; known: {sorted(_KNOWN)}"
+            )
+        max_new = _int(values, "max_new_tokens", default_max_new_tokens, 1, max_new_tokens_limit)
+        return cls(
+            max_new_tokens=max_new,
+            temperature=_float(values, "temperature", 1.0, 0.0, 100.0),
+            top_p=_float(values, "top_p", 1.0, 1e-6, 1.0),
+            top_k=_int(values, "top_k", 0, 0, 1_000_000),
+            do_sample=_bool(values, "do_sample", False),
+            seed=_int(values, "seed", None, 0, 2**63 - 1),
+        )
+
+
+def _int(values: dict, name: str, default, low: int, high: int):
+    value = values.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"'{name}' must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidRequest(f"'{name}' must be between {low} and {high}, got {value}")
+    return value
+
+
+def _float(values: dict, name: str, default: float, low: float, high: float) -> float:
+    value = values.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(f"'{name}' must be a finite number, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidRequest(f"'{name}' must be between {low} and {high}, got {value}")
+    return float(value)
+
+
+def _bool(values: dict, name: str, default: bool) -> bool:
+    value = values.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{name}' must be true or false, got {value!r}")
+    return value

@@ -1,0 +1,235 @@
+"""SessionStore: session id → Session, with idle TTL, explicit close and a byte budget.
+
+Policy, in bytes counted from the sessions' tensors:
+- A session idle for longer than ``ttl_s`` expires: it is removed at the next store call.
+- When the sessions together hold more than ``budget_bytes``, the least recently used
+  sessions are demoted one tier (KV cache dropped, features + tokens kept) until the total
+  fits; only if every idle session is already demoted are the least recently used removed
+  ("evicted"). Pressure therefore slows later turns (a re-prefill) before it loses anyone.
+- A session whose own features and tokens exceed the budget is refused (NoCapacity).
+- Turns of one session are serialized by its lock; sessions in a turn are never demoted,
+  evicted or expired underneath it.
+Removed ids are remembered (bounded) so a caller learns *why* an id is no longer valid.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+from llava.errors import NoCapacity, SessionNotFound
+from llava.session import Session, Tier
+
+_REMEMBERED_IDS = 10_000
+
+# Why an id is gone → the error code its caller gets.
+CLOSED, EXPIRED, EVICTED = "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED"
+_MESSAGES = {
+    CLOSED: "session {id} was closed; open a new session",
+    EXPIRED: "session {id} expired after {ttl:.0f} s idle; open a new session",
+    EVICTED: "session {id} was evicted to free memory; open a new session",
+    SessionNotFound.code: "session {id} is not known to this server (it may have restarted); "
+    "open a new session",
+}
+
+
+@dataclass(frozen=True)
+class StoreCounters:
+    opened: int = 0
+    closed: int = 0
+    expired: int = 0
+    demoted: int = 0
+    evicted: int = 0
+    turns: int = 0
+    new_tokens: int = 0  # prefilled by turns
+    cached_tokens: int = 0  # reused from KV caches by turns
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    sessions_by_tier: dict[Tier, int]
+    bytes_by_tier: dict[Tier, int]
+    budget_bytes: int
+    counters: StoreCounters = field(default_factory=StoreCounters)
+
+    @property
+    def sessions(self) -> int:
+        return sum(self.sessions_by_tier.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_tier.values())
+
+
+def new_session_id() -> str:
+    """Unguessable (uuid4 is 122 random bits from os.urandom), matches SageMaker's pattern."""
+    return str(uuid.uuid4())
+
+
+class SessionStore:
+    def __init__(
+        self,
+        budget_bytes: int,
+        ttl_s: float = 20 * 60,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._wall_offset = lambda: wall_clock() - clock()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._gone: OrderedDict[str, str] = OrderedDict()  # id → reason code
+        self._counters = StoreCounters()
+        self._lock = threading.RLock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def add(self, session: Session) -> None:
+        needed = session.bytes_by_tier()[Tier.FEATURES]  # what demotion cannot free
+        if needed > self.budget_bytes:
+            raise NoCapacity(
+                f"this session needs {needed} bytes, more than the server's session "
+                f"budget of {self.budget_bytes}; use a smaller image or a larger instance"
+            )
+        with self._lock:
+            self._sweep()
+            session.last_used = self._clock()
+            self._sessions[session.session_id] = session
+            self._count(opened=1)
+            self._enforce_budget()
+
+    @contextmanager
+    def use(self, session_id: str) -> Iterator[Session]:
+        """Hold the session for one turn: serialized with its other turns, never evicted."""
+        with self._lock:
+            self._sweep()
+            session = self._lookup(session_id)
+        with session.lock:
+            with self._lock:  # it may have been closed while we waited for the lock
+                if self._sessions.get(session_id) is not session:
+                    raise self._not_found(session_id)
+            try:
+                yield session
+            finally:
+                with self._lock:
+                    session.last_used = self._clock()
+                    if self._sessions.get(session_id) is session:
+                        self._sessions.move_to_end(session_id)
+        with self._lock:
+            self._enforce_budget()
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            self._sweep()
+            session = self._lookup(session_id)
+        with session.lock, self._lock:  # waits for a turn in flight to finish
+            if self._sessions.get(session_id) is not session:
+                raise self._not_found(session_id)
+            self._remove(session_id, CLOSED)
+            self._count(closed=1)
+
+    def record_turn(self, new_tokens: int, cached_tokens: int) -> None:
+        with self._lock:
+            self._count(turns=1, new_tokens=new_tokens, cached_tokens=cached_tokens)
+
+    def sweep(self) -> int:
+        """Remove expired sessions now; return how many. Also done by every store call."""
+        with self._lock:
+            return self._sweep()
+
+    # -- views -----------------------------------------------------------------------------
+    def expires_at(self, session: Session) -> datetime:
+        wall = session.last_used + self.ttl_s + self._wall_offset()
+        return datetime.fromtimestamp(wall, tz=UTC).replace(microsecond=0)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._sweep()
+            by_tier = {tier: 0 for tier in Tier}
+            bytes_by_tier = {tier: 0 for tier in Tier}
+            for session in self._sessions.values():
+                by_tier[session.tier] += 1
+                for tier, nbytes in session.bytes_by_tier().items():
+                    bytes_by_tier[tier] += nbytes
+            return StoreStats(by_tier, bytes_by_tier, self.budget_bytes, self._counters)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # -- internals (caller holds self._lock) -----------------------------------------------
+    def _count(self, **increments: int) -> None:
+        current = self._counters
+        self._counters = replace(
+            current, **{name: getattr(current, name) + n for name, n in increments.items()}
+        )
+
+    def _lookup(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise self._not_found(session_id)
+        return session
+
+    def _not_found(self, session_id: str) -> SessionNotFound:
+        code = self._gone.get(session_id, SessionNotFound.code)
+        message = _MESSAGES[code].format(id=session_id, ttl=self.ttl_s)
+        return SessionNotFound(message, code=code)
+
+    def _remove(self, session_id: str, reason: str) -> None:
+        session = self._sessions.pop(session_id)
+        session.demote()
+        session.image_features = None
+        self._gone[session_id] = reason
+        while len(self._gone) > _REMEMBERED_IDS:
+            self._gone.popitem(last=False)
+
+    def _idle(self, session: Session) -> bool:
+        """True if no turn holds the session; the caller must release it if so."""
+        return session.lock.acquire(blocking=False)
+
+    def _sweep(self) -> int:
+        deadline = self._clock() - self.ttl_s
+        expired = 0
+        for session_id, session in list(self._sessions.items()):
+            if session.last_used > deadline:
+                break  # ordered by last use: the rest are younger
+            if self._idle(session):
+                try:
+                    self._remove(session_id, EXPIRED)
+                    expired += 1
+                finally:
+                    session.lock.release()
+        if expired:
+            self._count(expired=expired)
+        return expired
+
+    def _enforce_budget(self) -> None:
+        total = sum(session.nbytes for session in self._sessions.values())
+        for demote in (True, False):  # first drop KV caches, then whole sessions
+            for session_id, session in list(self._sessions.items()):
+                if total <= self.budget_bytes:
+                    return
+                if demote and session.tier is not Tier.KV:
+                    continue
+                if not self._idle(session):
+                    continue
+                try:
+                    if demote:
+                        total -= session.demote()
+                        self._count(demoted=1)
+                    else:
+                        total -= session.nbytes
+                        self._remove(session_id, EVICTED)
+                        self._count(evicted=1)
+                finally:
+                    session.lock.release()
