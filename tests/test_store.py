@@ -62,9 +62,8 @@ def test_ttl_expiry_frees_the_session_and_its_bytes(clock):
     with store.use(session.session_id):
         pass  # a turn resets the idle timer
     clock.now += 61
-    with pytest.raises(SessionNotFound) as err:
-        with store.use(session.session_id):
-            pass
+    with pytest.raises(SessionNotFound) as err, store.use(session.session_id):
+        pass
     assert err.value.code == "SESSION_EXPIRED"
     stats = store.stats()
     assert (stats.sessions, stats.total_bytes, stats.counters.expired) == (0, 0, 1)

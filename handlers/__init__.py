@@ -1,0 +1,1 @@
+"""TorchServe adapter for the llava engine: parse, validate, map errors, set headers, stream."""

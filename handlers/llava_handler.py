@@ -1,0 +1,164 @@
+"""TorchServe entry point: ``handle(data, context)``, a thin adapter over ``llava.Engine``.
+
+One request at a time (``batchSize: 1``, one worker per model copy): sessions live in this
+worker's memory, so the worker must see every turn of its sessions (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from handlers.errors import error_response
+from handlers.metrics import SessionMetrics
+from handlers.protocol import (
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+    AskSession,
+    CloseSession,
+    OpenSession,
+    parse_request,
+    session_header_value,
+)
+from llava.config import EngineConfig
+from llava.engine import Answer, Engine
+from llava.intake import IntakePolicy, load_image
+
+logger = logging.getLogger(__name__)
+JSON = "application/json"
+JSON_LINES = "application/jsonlines"
+
+
+class LlavaService:
+    def __init__(self, engine: Engine, policy: IntakePolicy, metrics: SessionMetrics):
+        self.engine = engine
+        self.policy = policy
+        self.metrics = metrics
+
+    @classmethod
+    def from_context(cls, context) -> LlavaService:
+        settings = dict((context.model_yaml_config or {}).get("handler", {}))
+        model_dir = settings.pop("model_dir", ".")
+        # A relative model_dir names a folder inside the extracted .mar (weights inside).
+        model_dir = os.path.join(context.system_properties["model_dir"], model_dir)
+        config = EngineConfig.from_mapping({**settings, "model_dir": model_dir})
+        engine = Engine.from_config(config)
+        logger.info("loaded %s on %s (%s)", model_dir, engine.loaded.device, engine.loaded.dtype)
+        return cls(
+            engine, IntakePolicy.from_mapping(config.intake), SessionMetrics(context.metrics)
+        )
+
+    def serve(self, idx: int, body, context) -> str:
+        reply = _Reply(context, idx)
+        try:
+            request = parse_request(body, context.get_all_request_header(idx) or {})
+            if isinstance(request, OpenSession):
+                payload = self._open(request, reply)
+            elif isinstance(request, CloseSession):
+                payload = self._close(request, reply)
+            else:
+                payload = self._ask(request, reply)
+        except Exception as exc:  # every failure becomes a JSON error; the worker lives on
+            status, payload = error_response(exc)
+            if reply.streaming:  # headers are gone: report in the stream's last line
+                return json.dumps(payload) + "\n"
+            reply.status(status)
+        finally:
+            self.metrics.store(self.engine.stats())
+        return json.dumps(payload) + ("\n" if reply.streaming else "")
+
+    def _open(self, request: OpenSession, reply: _Reply) -> dict:
+        image = None if request.image is None else load_image(request.image, self.policy)
+        opened = self.engine.open(image)
+        value = session_header_value(opened.session_id, opened.expires_at)
+        reply.header(SESSION_HEADER, value)
+        reply.header(NEW_SESSION_HEADER, value)
+        return {
+            "sessionId": opened.session_id,
+            "expiresAt": _iso(opened.expires_at),
+            "imageTokens": opened.image_tokens,
+            "prefillTokens": opened.prefill_tokens,
+        }
+
+    def _close(self, request: CloseSession, reply: _Reply) -> dict:
+        self.engine.close(request.session_id)
+        reply.header(CLOSED_SESSION_HEADER, request.session_id)
+        return {"sessionId": request.session_id, "closed": True}
+
+    def _ask(self, request: AskSession, reply: _Reply) -> dict:
+        on_text = None
+        if request.stream:
+            reply.header("Content-Type", JSON_LINES)
+            on_text = reply.send_text
+        answer = self.engine.ask(request.session_id, request.question, request.parameters, on_text)
+        self.metrics.turn(answer)
+        return _answer_payload(answer)
+
+
+class _Reply:
+    """Headers, status and streamed chunks of one request in the batch."""
+
+    def __init__(self, context, idx: int):
+        self.context = context
+        self.idx = idx
+        self.streaming = False  # True once a chunk went out: status and headers are sent
+
+    def header(self, name: str, value: str) -> None:
+        self.context.set_response_header(self.idx, name, value)
+
+    def status(self, code: int) -> None:
+        self.context.set_response_status(code, "", self.idx)
+
+    def send_text(self, text: str) -> None:
+        from ts.handler_utils.utils import send_intermediate_predict_response
+
+        chunk = json.dumps({"token": {"text": text}}) + "\n"
+        send_intermediate_predict_response(
+            [chunk], self.context.request_ids, "Intermediate response", 200, self.context
+        )
+        self.streaming = True
+
+
+def _iso(moment) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _answer_payload(answer: Answer) -> dict:
+    return {
+        "sessionId": answer.session_id,
+        "generation": {
+            "text": answer.text,
+            "finished": answer.finished,
+            "generatedTokens": len(answer.token_ids),
+        },
+        "usage": {
+            "newTokens": answer.new_tokens,
+            "cachedTokens": answer.cached_tokens,
+            "tier": answer.tier.value,
+        },
+        "timing": {
+            "ttftMs": round(answer.ttft_s * 1000, 2),
+            "totalMs": round(answer.total_s * 1000, 2),
+        },
+        "expiresAt": _iso(answer.expires_at),
+    }
+
+
+_service: LlavaService | None = None
+
+
+def handle(data, context):
+    """TorchServe calls this with ``data=None`` once at load time, then per batch."""
+    global _service
+    if _service is None:
+        _service = LlavaService.from_context(context)
+    if data is None:
+        return None
+    for idx in range(len(data)):
+        context.set_response_content_type(idx, JSON)
+    return [
+        _service.serve(idx, row.get("body", row.get("data")), context)
+        for idx, row in enumerate(data)
+    ]

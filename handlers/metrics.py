@@ -1,0 +1,58 @@
+"""Session metrics for TorchServe's metrics endpoint (names listed in metrics.yaml).
+
+Gauges are set from the store's snapshot after every request; counters are emitted as
+the increase since the previous snapshot, so the endpoint's totals match the store's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from ts.metrics.metric_type_enum import MetricTypes
+
+from llava.engine import Answer
+from llava.store import StoreCounters, StoreStats
+
+# store counter → metric name
+_COUNTERS = {
+    "opened": "SessionsOpened",
+    "closed": "SessionsClosed",
+    "expired": "SessionsExpired",
+    "demoted": "SessionsDemoted",
+    "evicted": "SessionsEvicted",
+}
+
+
+class SessionMetrics:
+    def __init__(self, metrics_cache):
+        add = metrics_cache.add_metric_to_cache
+        self._open = add("SessionsOpen", "count", ["Tier"], MetricTypes.GAUGE)
+        self._bytes = add("SessionBytes", "bytes", ["Tier"], MetricTypes.GAUGE)
+        self._latency = add("TurnLatency", "ms", ["Tier"], MetricTypes.HISTOGRAM)
+        self._ttft = add("TurnTimeToFirstToken", "ms", ["Tier"], MetricTypes.HISTOGRAM)
+        self._new = add("TurnNewTokens", "count", [], MetricTypes.COUNTER)
+        self._cached = add("TurnCachedTokens", "count", [], MetricTypes.COUNTER)
+        self._counters = {
+            name: add(metric, "count", [], MetricTypes.COUNTER)
+            for name, metric in _COUNTERS.items()
+        }
+        self._last = StoreCounters()
+
+    def turn(self, answer: Answer) -> None:
+        tier = [answer.tier.value]
+        self._latency.add_or_update(answer.total_s * 1000, tier)
+        self._ttft.add_or_update(answer.ttft_s * 1000, tier)
+        self._new.add_or_update(answer.new_tokens)
+        self._cached.add_or_update(answer.cached_tokens)
+
+    def store(self, stats: StoreStats) -> None:
+        for tier, count in stats.sessions_by_tier.items():
+            self._open.add_or_update(count, [tier.value])
+        for tier, nbytes in stats.bytes_by_tier.items():
+            self._bytes.add_or_update(nbytes, [tier.value])
+        for field in fields(StoreCounters):
+            if field.name in self._counters:
+                increase = getattr(stats.counters, field.name) - getattr(self._last, field.name)
+                if increase:
+                    self._counters[field.name].add_or_update(increase)
+        self._last = stats.counters

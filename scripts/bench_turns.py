@@ -1,0 +1,163 @@
+"""Per-turn latency of four ways to serve a multi-turn image chat (issue 2's benchmark).
+
+Modes, for the same conversation (the KV session's own prompts are replayed by the others,
+so every mode prefills exactly the same tokens and generates the same number):
+  stateless  image re-sent: processor + vision tower + whole conversation prefilled
+  pixels     pixel values cached (the reference AWS sample): vision tower + whole prefill
+  features   image features cached (our warm tier): whole conversation prefilled
+  kv         KV cache reused (our hot tier): only the new turn prefilled
+
+Prints a table of median time-to-first-token and turn latency per turn, bytes held per
+session per mode, and writes a PNG plot. Runs on the untrained "realistic-shape" config
+(576 image tokens, as LLaVA-1.5), built into build/ if missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from llava.config import EngineConfig
+from llava.decoding import decode
+from llava.engine import Engine
+from llava.generation import GenerationParams
+from llava.synthetic import held_out_samples
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("stateless", "pixels", "features", "kv")
+QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
+
+
+def ensure_model(model_dir: Path) -> None:
+    if not (model_dir / "config.json").exists():
+        builder = REPO / "scripts" / "build_demo_model.py"
+        cmd = [sys.executable, str(builder), "--config", "realistic", "--out", str(model_dir)]
+        subprocess.run(cmd, check=True)
+
+
+def kv_conversation(engine: Engine, image, turns: int, params: dict):
+    """Run the real session; return per-turn (ttft, total) and the prompt ids of each turn."""
+    session_id = engine.open(image).session_id
+    timings, prompts = [], []
+    for turn in range(turns):
+        answer = engine.ask(session_id, QUESTIONS[turn % len(QUESTIONS)], params)
+        history = engine.store._sessions[session_id].token_ids
+        closing = 0 if answer.finished else 1
+        prompts.append(history[: len(history) - len(answer.token_ids) - closing])
+        timings.append((answer.ttft_s, answer.total_s))
+    held = engine.store._sessions[session_id].nbytes
+    engine.close(session_id)
+    return timings, prompts, held
+
+
+def replay(engine: Engine, mode: str, image, prompts, params: GenerationParams):
+    """Answer each recorded prompt from scratch, redoing what ``mode`` does not cache."""
+    loaded = engine.loaded
+    opening = loaded.prompt.opening(with_image=True)
+    pixels = loaded.processor(text=opening, images=image, return_tensors="pt").pixel_values
+    features = engine._image_features(pixels)
+    timings = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        if mode == "stateless":
+            pixels = loaded.processor(text=opening, images=image, return_tensors="pt").pixel_values
+        if mode in ("stateless", "pixels"):
+            features = engine._image_features(pixels)
+        setup = time.perf_counter() - start
+        out = decode(loaded.model, prompt, DynamicCache(), features, params, loaded.eos_token_ids)
+        timings.append((setup + out.prefill_s, setup + out.total_s))
+    held = {"stateless": 0, "pixels": pixels.nbytes, "features": features.nbytes}[mode]
+    return timings, held + 8 * len(prompts[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=REPO / "build" / "realistic-llava")
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--plot", type=Path, default=REPO / "build" / "bench_turns.png")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    ensure_model(args.model_dir)
+    engine = Engine.from_config(EngineConfig(model_dir=str(args.model_dir)))
+    image = held_out_samples(1)[0].image
+    wire = {"max_new_tokens": args.new_tokens}
+    params = GenerationParams(max_new_tokens=args.new_tokens)
+    kv_conversation(engine, image, 2, wire)  # warm-up: first calls allocate and compile
+    runs: dict[str, list] = {mode: [] for mode in MODES}
+    held: dict[str, int] = {}
+    for _ in range(args.runs):
+        timings, prompts, held["kv"] = kv_conversation(engine, image, args.turns, wire)
+        runs["kv"].append(timings)
+        for mode in MODES[:-1]:
+            timings, held[mode] = replay(engine, mode, image, prompts, params)
+            runs[mode].append(timings)
+    ttft = {
+        m: [statistics.median(r[t][0] for r in runs[m]) for t in range(args.turns)] for m in MODES
+    }
+    total = {
+        m: [statistics.median(r[t][1] for r in runs[m]) for t in range(args.turns)] for m in MODES
+    }
+    report(args, engine, prompts, ttft, total, held)
+    plot(args.plot, ttft)
+
+
+def report(args, engine, prompts, ttft, total, held) -> None:
+    model = engine.loaded.model
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model {args.model_dir.name}: {params / 1e6:.1f} M parameters, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {engine.loaded.device}"
+    )
+    print(
+        f"median of {args.runs} runs, {args.new_tokens} new tokens per answer; "
+        f"turn-10 prompt = {len(prompts[-1])} tokens\n"
+    )
+    print("time to first token (ms)")
+    print("turn | " + " | ".join(f"{m:>9}" for m in MODES))
+    for turn in range(args.turns):
+        print(f"{turn + 1:>4} | " + " | ".join(f"{ttft[m][turn] * 1000:9.1f}" for m in MODES))
+    print("\nturn latency (ms)")
+    print("turn | " + " | ".join(f"{m:>9}" for m in MODES))
+    for turn in range(args.turns):
+        print(f"{turn + 1:>4} | " + " | ".join(f"{total[m][turn] * 1000:9.1f}" for m in MODES))
+    print("\nbytes held per session after the last turn")
+    for mode in MODES:
+        print(f"  {mode:>9}: {held[mode]:>12,}")
+    last = args.turns - 1
+    speedup = ttft["stateless"][last] / ttft["kv"][last]
+    drift = ttft["kv"][last] / ttft["kv"][1]
+    print(
+        f"\nturn {args.turns}: kv TTFT is {speedup:.1f}x faster than stateless (target >= 5x); "
+        f"{drift:.2f}x its own turn 2 (target <= 1.3x)"
+    )
+
+
+def plot(path: Path, ttft) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in MODES:
+        ax.plot(range(1, len(ttft[mode]) + 1), [t * 1000 for t in ttft[mode]], "o-", label=mode)
+    ax.set(xlabel="turn", ylabel="time to first token (ms)", title="Per-turn TTFT by cache mode")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The engine on the demo model: KV reuse equals full recompute, tiers, lifecycle, errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.errors import InvalidRequest, SessionNotFound
+from llava.session import Tier
+from llava.store import SessionStore
+from llava.synthetic import draw_sample, held_out_samples
+
+# Six+ turns mixing first questions, follow-ups that need the history, and free text.
+CONVERSATION = [
+    "What shape is it?",
+    "And its color?",
+    "Say that again.",
+    "What color is the shape?",
+    "And its shape?",
+    "Say that again.",
+    "What is in the picture?",
+]
+MAX_NEW = 6
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def engine(demo_model, clock):
+    store = SessionStore(budget_bytes=1 << 30, ttl_s=60, clock=clock)
+    return Engine(demo_model, store, EngineConfig(model_dir="unused"))
+
+
+@pytest.fixture(scope="module")
+def sample():
+    return held_out_samples(1, seed=424242)[0]
+
+
+def full_recompute(engine: Engine, prompt_ids: list[int], image, max_new: int) -> list[int]:
+    """Greedy answer computed from scratch by transformers' own generate: no session state."""
+    loaded = engine.loaded
+    inputs = {"input_ids": torch.tensor([prompt_ids])}
+    if image is not None:
+        opening = loaded.prompt.opening(with_image=True)
+        inputs["pixel_values"] = loaded.processor(
+            text=opening, images=image, return_tensors="pt"
+        ).pixel_values
+    out = loaded.model.generate(**inputs, do_sample=False, max_new_tokens=max_new)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def prompt_of_last_turn(engine: Engine, session_id: str, answer) -> list[int]:
+    history = engine.store._sessions[session_id].token_ids
+    return history[: len(history) - len(answer.token_ids) - (0 if answer.finished else 1)]
+
+
+@pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
+def test_kv_reuse_equals_full_recompute_over_many_turns(engine, sample, with_image):
+    image = sample.image if with_image else None
+    session_id = engine.open(image).session_id
+    cached_before = []
+    for question in CONVERSATION:
+        answer = engine.ask(session_id, question, {"max_new_tokens": MAX_NEW})
+        cached_before.append(answer.cached_tokens)
+        prompt = prompt_of_last_turn(engine, session_id, answer)
+        assert list(answer.token_ids) == full_recompute(engine, prompt, image, MAX_NEW), question
+        assert answer.tier is Tier.KV
+        # only the new turn was prefilled: the cache held everything before it
+        assert answer.cached_tokens + answer.new_tokens == len(prompt)
+    assert cached_before == sorted(cached_before) and cached_before[0] > 0
+
+
+def test_answer_after_demotion_to_features_is_unchanged(engine, sample):
+    hot = engine.open(sample.image).session_id
+    cold = engine.open(sample.image).session_id
+    for question in CONVERSATION[:3]:
+        for session_id in (hot, cold):
+            engine.ask(session_id, question, {"max_new_tokens": MAX_NEW})
+    freed = engine.store._sessions[cold].demote()
+    assert freed > 0
+    hot_answer = engine.ask(hot, "What color is the shape?", {"max_new_tokens": MAX_NEW})
+    cold_answer = engine.ask(cold, "What color is the shape?", {"max_new_tokens": MAX_NEW})
+    assert cold_answer.tier is Tier.FEATURES and cold_answer.cached_tokens == 0
+    assert cold_answer.new_tokens > hot_answer.new_tokens
+    assert cold_answer.token_ids == hot_answer.token_ids
+    assert cold_answer.text == sample.color
+
+
+def test_budget_pressure_demotes_and_the_next_turn_still_answers(demo_model, sample):
+    probe = Engine(demo_model, SessionStore(budget_bytes=1 << 30), EngineConfig(model_dir="-"))
+    first = probe.open(sample.image)
+    one_session = probe.stats().total_bytes
+    tight = SessionStore(budget_bytes=int(1.5 * one_session))
+    engine = Engine(demo_model, tight, EngineConfig(model_dir="-"))
+    a = engine.open(sample.image).session_id
+    b = engine.open(held_out_samples(2, seed=777)[1].image).session_id
+    assert engine.stats().counters.demoted >= 1 and b in engine.store
+    answer = engine.ask(a, "What color is the shape?")
+    assert answer.tier is Tier.FEATURES and answer.text == sample.color
+    assert engine.stats().total_bytes <= tight.budget_bytes
+    probe.close(first.session_id)
+
+
+def test_expiry_and_close_free_every_byte(engine, clock, sample):
+    expiring = engine.open(sample.image).session_id
+    closing = engine.open(None).session_id
+    engine.ask(closing, "What shape is it?")
+    assert engine.stats().total_bytes > 0
+    engine.close(closing)
+    clock.now += 61
+    stats = engine.stats()
+    assert (stats.sessions, stats.total_bytes) == (0, 0)
+    assert (stats.counters.closed, stats.counters.expired) == (1, 1)
+    with pytest.raises(SessionNotFound) as err:
+        engine.ask(expiring, "What shape is it?")
+    assert err.value.code == "SESSION_EXPIRED"
+
+
+def distinct_samples(rng: random.Random):
+    """Two images that differ in both colour and shape, so every answer tells them apart."""
+    while True:
+        a, b = draw_sample(rng), draw_sample(rng)
+        if a.color != b.color and a.shape != b.shape:
+            return a, b
+
+
+def test_interleaved_sessions_each_answer_about_their_own_image(engine):
+    a, b = distinct_samples(random.Random(2024))
+    ids = {engine.open(s.image).session_id: s for s in (a, b)}
+    turns = [
+        ("What color is the shape?", "color"),
+        ("And its shape?", "shape"),
+        ("Say that again.", "shape"),
+        ("What shape is it?", "shape"),
+        ("And its color?", "color"),
+    ]
+    for question, attribute in turns:
+        for session_id, truth in ids.items():
+            answer = engine.ask(session_id, question)
+            assert answer.text == getattr(truth, attribute), (question, truth)
+
+
+def test_streamed_text_concatenates_to_the_answer(engine, sample):
+    session_id = engine.open(sample.image).session_id
+    chunks: list[str] = []
+    answer = engine.ask(session_id, "What shape is it?", on_text=chunks.append)
+    assert chunks and "".join(chunks) == answer.text == sample.shape
+
+
+def test_seeded_sampling_is_reproducible(engine, sample):
+    params = {"do_sample": True, "temperature": 1.5, "top_k": 5, "top_p": 0.9, "seed": 7}
+    answers = []
+    for _ in range(2):
+        session_id = engine.open(sample.image).session_id
+        answers.append(engine.ask(session_id, "What is in the picture?", params).token_ids)
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize(
+    "question, parameters",
+    [
+        ("", None),
+        ("   ", None),
+        (None, None),
+        (42, None),
+        ("x" * 9000, None),
+        ("What shape is it?", {"max_new_tokens": 10**9}),
+        ("What shape is it?", {"max_new_tokens": 0}),
+        ("What shape is it?", {"max_new_tokens": "5"}),
+        ("What shape is it?", {"temperature": -1}),
+        ("What shape is it?", {"temperature": float("nan")}),
+        ("What shape is it?", {"top_p": 2}),
+        ("What shape is it?", {"do_sample": "yes"}),
+        ("What shape is it?", {"beams": 4}),
+        ("What shape is it?", ["max_new_tokens", 5]),
+    ],
+)
+def test_bad_input_is_a_typed_error_and_the_session_survives(engine, sample, question, parameters):
+    session_id = engine.open(sample.image).session_id
+    with pytest.raises(InvalidRequest):
+        engine.ask(session_id, question, parameters)
+    assert engine.ask(session_id, "What shape is it?").text == sample.shape
+
+
+def test_a_conversation_past_the_context_window_is_refused(engine, sample):
+    session_id = engine.open(sample.image).session_id
+    limit = engine.loaded.max_positions
+    with pytest.raises(InvalidRequest) as err:
+        engine.ask(session_id, "What shape is it?", {"max_new_tokens": limit})
+    assert err.value.code == "CONVERSATION_TOO_LONG"
+
+
+def test_unknown_session_is_not_found(engine):
+    with pytest.raises(SessionNotFound) as err:
+        engine.ask("0123-abcd", "What shape is it?")
+    assert err.value.code == "SESSION_NOT_FOUND"
+

@@ -1,0 +1,106 @@
+"""Image intake from S3 through boto3, against moto's S3 server on 127.0.0.1.
+
+No real AWS exists in tests: moto's server mode is a real HTTP server on loopback that speaks
+the S3 protocol, so the whole boto3 path (signing, streaming, error parsing) runs for real.
+Access denied is moto's IAM simulation (``enable_iam_authentication``) with a user that has no
+policies: S3 answers AccessDenied as it would to a role without s3:GetObject.
+"""
+
+from __future__ import annotations
+
+import boto3
+import pytest
+from moto.core.authorization import enable_iam_authentication
+from moto.server import ThreadedMotoServer
+from PIL import Image
+
+from llava.errors import ImageFetchFailed, ImageSourceNotAllowed, ImageTooLarge, NotAnImage
+from llava.intake import IntakePolicy, load_image
+from tests.intake_servers import forbid_non_loopback, image_bytes
+
+BUCKET = "intake-test-images"
+PNG = image_bytes(Image.new("RGB", (5, 4), (0, 128, 255)))
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(endpoint, monkeypatch):
+    """An S3 client on moto with test credentials; the bucket holds a PNG and a text file."""
+    forbid_non_loopback(monkeypatch)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    client.put_object(Bucket=BUCKET, Key="cat.png", Body=PNG)
+    client.put_object(Bucket=BUCKET, Key="notes.png", Body=b"plain text")
+    return client
+
+
+@pytest.fixture
+def policy(endpoint):
+    return IntakePolicy(s3_endpoint_url=endpoint, s3_region="us-east-1")
+
+
+def test_loads_an_object(s3, policy):
+    image = load_image({"s3": f"s3://{BUCKET}/cat.png"}, policy)
+    assert (image.mode, image.size, image.getpixel((0, 0))) == ("RGB", (5, 4), (0, 128, 255))
+
+
+def test_missing_key(s3, policy):
+    with pytest.raises(ImageFetchFailed, match=r"not found \(NoSuchKey\); check the bucket"):
+        load_image({"s3": f"s3://{BUCKET}/nope.png"}, policy)
+
+
+def test_missing_bucket(s3, policy):
+    with pytest.raises(ImageFetchFailed, match=r"not found \(NoSuchBucket\)"):
+        load_image({"s3": "s3://no-such-bucket-here/cat.png"}, policy)
+
+
+def test_access_denied(s3, policy, endpoint, monkeypatch):
+    iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
+    iam.create_user(UserName="no-permissions")
+    key = iam.create_access_key(UserName="no-permissions")["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    with (
+        enable_iam_authentication(),
+        pytest.raises(ImageFetchFailed, match=r"\(AccessDenied\).*s3:GetObject"),
+    ):
+        load_image({"s3": f"s3://{BUCKET}/cat.png"}, policy)
+
+
+def test_object_too_large(s3, policy):
+    with pytest.raises(ImageTooLarge, match=r"intake\.max_bytes"):
+        load_image(
+            {"s3": f"s3://{BUCKET}/cat.png"}, IntakePolicy(**{**vars(policy), "max_bytes": 10})
+        )
+
+
+def test_object_that_is_not_an_image(s3, policy):
+    with pytest.raises(NotAnImage):
+        load_image({"s3": f"s3://{BUCKET}/notes.png"}, policy)
+
+
+def test_bucket_allowlist(s3, policy):
+    narrowed = IntakePolicy(**{**vars(policy), "s3_buckets": frozenset({"other-bucket"})})
+    with pytest.raises(ImageSourceNotAllowed, match=r"intake\.s3_buckets"):
+        load_image({"s3": f"s3://{BUCKET}/cat.png"}, narrowed)
+
+
+def test_unreachable_endpoint_is_a_fetch_failure(s3):
+    policy = IntakePolicy(s3_endpoint_url="http://127.0.0.1:9", s3_region="us-east-1")
+    with pytest.raises(ImageFetchFailed, match="cannot fetch"):
+        load_image({"s3": f"s3://{BUCKET}/cat.png"}, policy)

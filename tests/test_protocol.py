@@ -1,0 +1,196 @@
+"""The wire contract without TorchServe: request parsing, session ids, the error table."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from handlers.errors import STATUS_BY_ERROR, error_response
+from handlers.protocol import (
+    AskSession,
+    CloseSession,
+    OpenSession,
+    parse_request,
+    session_header_value,
+)
+from llava import errors
+from llava.errors import EngineError, InvalidRequest
+
+SID = "3f2a-9b7c-0d1e"
+
+
+def error_code(body, headers=None) -> str:
+    with pytest.raises(InvalidRequest) as err:
+        parse_request(body, headers or {})
+    return err.value.code
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION"},
+        {"x-amzn-sagemaker-session-id": "NEW_SESSION"},
+    ],
+)
+def test_open_with_or_without_the_new_session_header(headers):
+    request = parse_request({"requestType": "NEW_SESSION"}, headers)
+    assert request == OpenSession(image=None)
+
+
+def test_open_keeps_a_well_formed_image_source():
+    source = {"url": "https://example.com/cat.png"}
+    request = parse_request(json.dumps({"requestType": "NEW_SESSION", "image": source}), {})
+    assert isinstance(request, OpenSession) and request.image == source
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["X-Amzn-SageMaker-Session-Id", "x-amzn-sagemaker-session-id", "X-AMZN-SAGEMAKER-SESSION-ID"],
+)
+def test_ask_reads_the_session_header_case_insensitively(name):
+    body = {"requestType": "SESSION", "inputs": "What shape is it?", "parameters": {"top_k": 3}}
+    request = parse_request(body, {name: SID})
+    assert request == AskSession(SID, "What shape is it?", {"top_k": 3}, stream=False)
+
+
+def test_the_seeds_client_shapes_are_accepted():
+    body = {
+        "requestType": "SESSION",
+        "inputs": "Hi",
+        "extSessionID": SID,
+        "sampling_params": {"max_new_tokens": 4},
+        "stream": True,
+    }
+    assert parse_request(body, {}) == AskSession(SID, "Hi", {"max_new_tokens": 4}, True)
+    close = {"requestType": "CLOSE_SESSION", "extSessionID": SID}
+    assert parse_request(close, {}) == CloseSession(SID)
+
+
+def test_without_request_type_the_header_decides():
+    assert parse_request({}, {}) == OpenSession(None)
+    ask = parse_request({"inputs": "Hi"}, {"X-Amzn-SageMaker-Session-Id": SID})
+    assert isinstance(ask, AskSession) and ask.session_id == SID
+
+
+@pytest.mark.parametrize(
+    "body, headers, code",
+    [
+        (b"{not json", {}, "INVALID_REQUEST"),
+        (b"\xff\xfe", {}, "INVALID_REQUEST"),
+        ("[1, 2]", {}, "INVALID_REQUEST"),
+        ({"requestType": "RESET"}, {"X-Amzn-SageMaker-Session-Id": SID}, "UNKNOWN_REQUEST_TYPE"),
+        ({"requestType": "SESSION", "inputs": "Hi"}, {}, "MISSING_SESSION_ID"),
+        (
+            {"requestType": "CLOSE_SESSION"},
+            {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION"},
+            "MISSING_SESSION_ID",
+        ),
+        ({"requestType": "SESSION"}, {"X-Amzn-SageMaker-Session-Id": SID}, "INVALID_REQUEST"),
+        (
+            {"requestType": "SESSION", "inputs": "Hi", "stream": "yes"},
+            {"X-Amzn-SageMaker-Session-Id": SID},
+            "INVALID_REQUEST",
+        ),
+        (
+            {"requestType": "SESSION", "inputs": "Hi", "parameters": {}, "sampling_params": {}},
+            {"X-Amzn-SageMaker-Session-Id": SID},
+            "INVALID_REQUEST",
+        ),
+        ({"requestType": "NEW_SESSION"}, {"X-Amzn-SageMaker-Session-Id": SID}, "INVALID_REQUEST"),
+        (
+            {"requestType": "SESSION", "inputs": "Hi"},
+            {"X-Amzn-SageMaker-Session-Id": "a--"},
+            "INVALID_SESSION_ID",
+        ),
+        (
+            {"requestType": "SESSION", "inputs": "Hi"},
+            {"X-Amzn-SageMaker-Session-Id": "a" * 257},
+            "INVALID_SESSION_ID",
+        ),
+        (
+            {"requestType": "SESSION", "inputs": "Hi", "extSessionID": "other"},
+            {"X-Amzn-SageMaker-Session-Id": SID},
+            "INVALID_SESSION_ID",
+        ),
+        ({"requestType": "SESSION", "inputs": "Hi", "extSessionID": 5}, {}, "INVALID_SESSION_ID"),
+    ],
+)
+def test_malformed_requests_get_a_clear_code(body, headers, code):
+    assert error_code(body, headers) == code
+
+
+def test_session_header_value_matches_botocores_new_session_id_shape():
+    value = session_header_value(SID, datetime(2026, 11, 22, 21, 5, 7, tzinfo=UTC))
+    assert value == f"{SID}; Expires=2026-11-22T21:05:07Z"
+    assert re.fullmatch(r"^\S+;\sExpires=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$", value)
+
+
+EXPECTED_STATUS = {
+    errors.InvalidRequest: 400,
+    errors.SessionNotFound: 400,
+    errors.ImageSourceNotAllowed: 403,
+    errors.ImageTooLarge: 413,
+    errors.NotAnImage: 415,
+    errors.ImageFetchFailed: 424,
+    errors.NoCapacity: 503,
+}
+
+
+@pytest.mark.parametrize("cls, status", EXPECTED_STATUS.items(), ids=lambda v: str(v))
+def test_every_engine_error_maps_to_its_status_with_a_json_body(cls, status):
+    code, body = error_response(cls("what to change"))
+    assert code == status
+    assert body == {"error": {"code": cls.code, "message": "what to change"}}
+
+
+def test_every_engine_error_class_is_in_the_table():
+    subclasses = set(EngineError.__subclasses__())
+    assert subclasses == set(STATUS_BY_ERROR)
+
+
+def test_a_bug_is_a_500_that_names_no_internals():
+    status, body = error_response(KeyError("secret internal detail"))
+    assert status == 500 and "secret" not in body["error"]["message"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+request_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "requestType": st.sampled_from(["NEW_SESSION", "SESSION", "CLOSE_SESSION", "X"])
+        | json_values,
+        "inputs": json_values,
+        "image": json_values | st.dictionaries(st.sampled_from(["url", "s3", "b64"]), json_values),
+        "parameters": json_values,
+        "extSessionID": st.text(max_size=40) | json_values,
+        "stream": json_values,
+    },
+)
+headers_like = st.dictionaries(
+    st.sampled_from(["X-Amzn-SageMaker-Session-Id", "x-amzn-sagemaker-session-id", "Other"]),
+    st.text(max_size=60) | st.just("NEW_SESSION") | st.just(SID),
+    max_size=2,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=json_values | request_like | st.binary(max_size=200), headers=headers_like)
+def test_arbitrary_input_is_a_request_or_a_typed_error(body, headers):
+    try:
+        request = parse_request(body, headers)
+    except EngineError as err:
+        assert err.code and err.message
+    else:
+        assert isinstance(request, OpenSession | AskSession | CloseSession)
