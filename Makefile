@@ -25,11 +25,13 @@ setup: $(VENV)/.installed
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup lint
+# `mar` first: the TorchServe tests serve the very .mar that `make mar` builds.
+test: setup lint mar
 	$(PY) -m pytest -q
 
-demo: setup
-	$(PY) scripts/demo.py --model-dir $(MODEL_DIR)
+# Archives, serves on loopback, chats about a demo image, closes, stops (see scripts/demo.py).
+demo: mar
+	$(PY) scripts/demo.py
 
 bench: setup
 	$(PY) scripts/bench_turns.py

@@ -22,7 +22,7 @@ from handlers.protocol import (
     parse_request,
     session_header_value,
 )
-from llava.config import EngineConfig
+from llava.config import EngineConfig, env_overrides, merge_settings
 from llava.engine import Answer, Engine
 from llava.intake import IntakePolicy, load_image
 
@@ -39,7 +39,8 @@ class LlavaService:
 
     @classmethod
     def from_context(cls, context) -> LlavaService:
-        settings = dict((context.model_yaml_config or {}).get("handler", {}))
+        archived = (context.model_yaml_config or {}).get("handler", {})
+        settings = merge_settings(archived, env_overrides(os.environ))
         model_dir = settings.pop("model_dir", ".")
         # A relative model_dir names a folder inside the extracted .mar (weights inside).
         model_dir = os.path.join(context.system_properties["model_dir"], model_dir)

@@ -1,4 +1,4 @@
-"""Session metrics for TorchServe's metrics endpoint (names listed in metrics.yaml).
+"""Session metrics for TorchServe's metrics endpoint (auto-detected: config.properties).
 
 Gauges are set from the store's snapshot after every request; counters are emitted as
 the increase since the previous snapshot, so the endpoint's totals match the store's.

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1024**3
+ENV_PREFIX = "LLAVA_"
 
 
 @dataclass(frozen=True)
@@ -39,3 +42,29 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine config keys: {', '.join(unknown)}")
         return cls(**values)
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Settings from ``LLAVA_<FIELD>`` variables (what a container's environment can set).
+
+    Values are JSON where they parse (``LLAVA_SESSION_TTL_S=300``,
+    ``LLAVA_INTAKE='{"allow": ["10.0.0.0/8"]}'``), plain strings otherwise (``LLAVA_DEVICE=cuda``).
+    """
+    overrides: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        raw = environ.get(ENV_PREFIX + f.name.upper())
+        if raw is None:
+            continue
+        try:
+            overrides[f.name] = json.loads(raw)
+        except ValueError:
+            overrides[f.name] = raw
+    return overrides
+
+
+def merge_settings(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` win; the ``intake`` mapping is merged key by key, not replaced."""
+    merged = {**base, **overrides}
+    if "intake" in base and "intake" in overrides:
+        merged["intake"] = {**base["intake"], **overrides["intake"]}
+    return merged

@@ -90,7 +90,10 @@ def decode(
     logits = prefill(model, tail, cache, image_features)
     prefill_s = time.perf_counter() - start
     generated: list[int] = []
+    eos = torch.tensor(sorted(eos_token_ids), device=logits.device)
     while True:
+        if len(generated) < params.min_new_tokens:
+            logits[eos] = float("-inf")
         token = _pick(logits, params, generator)
         generated.append(token)
         if on_token is not None:

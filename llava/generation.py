@@ -10,7 +10,7 @@ from llava.errors import InvalidRequest
 
 # Names accepted from the wire, with the aliases that HF/TGI-style clients send.
 _ALIASES = {"max_tokens": "max_new_tokens"}
-_KNOWN = {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed"}
+_KNOWN = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed"}
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class GenerationParams:
     """``temperature == 0`` or ``do_sample == False`` means greedy decoding."""
 
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # eos is suppressed until this many ids were generated
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filter
@@ -50,6 +51,7 @@ class GenerationParams:
         max_new = _int(values, "max_new_tokens", default_max_new_tokens, 1, max_new_tokens_limit)
         return cls(
             max_new_tokens=max_new,
+            min_new_tokens=_int(values, "min_new_tokens", 0, 0, max_new),
             temperature=_float(values, "temperature", 1.0, 0.0, 100.0),
             top_p=_float(values, "top_p", 1.0, 1e-6, 1.0),
             top_k=_int(values, "top_k", 0, 0, 1_000_000),

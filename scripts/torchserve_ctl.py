@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -49,6 +49,7 @@ class TorchServeInstance:
     mar_name: str = "llava"
     ts_config: Path = ROOT / "config.properties"
     host: str = "127.0.0.1"  # the address TorchServe binds; we always poll via 127.0.0.1
+    env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. LLAVA_* settings
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).absolute()
@@ -171,6 +172,7 @@ class TorchServeInstance:
             "TS_INFERENCE_ADDRESS": f"http://{self.host}:{self.inference_port}",
             "TS_MANAGEMENT_ADDRESS": f"http://{self.host}:{self.management_port}",
             "TS_METRICS_ADDRESS": f"http://{self.host}:{self.metrics_port}",
+            **self.env,
         }
 
     def processes(self) -> list[psutil.Process]:

@@ -1,0 +1,299 @@
+"""The handler in a real TorchServe process, serving the .mar that `make mar` builds.
+
+Loopback only: TorchServe binds 127.0.0.1 on free ports, images come from a loopback HTTP
+server (allowed through LLAVA_INTAKE, since the default policy refuses loopback).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import requests
+
+from llava.synthetic import held_out_samples
+from scripts.make_mar import build_mar
+from scripts.torchserve_ctl import TorchServeInstance
+from tests.conftest import DEMO_MODEL_DIR, REPO
+from tests.intake_servers import LoopbackServer, image_bytes, respond
+
+pytestmark = pytest.mark.torchserve
+SESSION = "X-Amzn-SageMaker-Session-Id"
+MAR = REPO / "model-store" / "llava.mar"
+LOOPBACK_IMAGES = json.dumps({"allow": ["127.0.0.1"]})
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def start_instance(tmp: Path, **env: str) -> TorchServeInstance:
+    if not MAR.exists():  # `make test` builds it with `make mar`; a bare pytest run may not
+        build_mar(DEMO_MODEL_DIR)
+    inference, management, metrics = free_ports(3)
+    instance = TorchServeInstance(
+        root=tmp,
+        inference_port=inference,
+        management_port=management,
+        metrics_port=metrics,
+        model_store=MAR.parent,
+        env={"LLAVA_INTAKE": LOOPBACK_IMAGES, **env},
+    )
+    instance.start(timeout=180)
+    return instance
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    instance = start_instance(tmp_path_factory.mktemp("ts"))
+    yield instance
+    instance.stop()
+
+
+@pytest.fixture(scope="module")
+def images():
+    """Two held-out images that differ in colour and in shape, served on loopback."""
+    samples = [s for s in held_out_samples(60, seed=90_000)]
+    a = samples[0]
+    b = next(s for s in samples if s.color != a.color and s.shape != a.shape)
+    http = LoopbackServer()
+    for name, sample in (("a", a), ("b", b)):
+        http.routes[f"/{name}.png"] = respond(
+            image_bytes(sample.image), headers={"Content-Type": "image/png"}
+        )
+    yield {"a": (http.url("/a.png"), a), "b": (http.url("/b.png"), b)}
+    http.close()
+
+
+def invoke(instance, body, session_id=None, path="/invocations", **kwargs):
+    headers = {"Content-Type": "application/json"}
+    if session_id is not None:
+        headers[SESSION] = session_id
+    data = body if isinstance(body, bytes) else json.dumps(body)
+    return requests.post(
+        instance.inference_url + path, data=data, headers=headers, timeout=60, **kwargs
+    )
+
+
+def open_session(instance, url) -> str:
+    reply = invoke(instance, {"requestType": "NEW_SESSION", "image": {"url": url}}, "NEW_SESSION")
+    assert reply.status_code == 200, reply.text
+    return reply.json()["sessionId"]
+
+
+def ask(instance, session_id, question, **extra):
+    return invoke(instance, {"requestType": "SESSION", "inputs": question, **extra}, session_id)
+
+
+def test_open_ask_three_times_close_over_invocations(server, images):
+    url, truth = images["a"]
+    opened = invoke(server, {"requestType": "NEW_SESSION", "image": {"url": url}}, "NEW_SESSION")
+    assert opened.status_code == 200, opened.text
+    session_id = opened.json()["sessionId"]
+    expected = f"{session_id}; Expires={opened.json()['expiresAt']}"
+    assert opened.headers[SESSION] == expected
+    assert opened.headers["X-Amzn-SageMaker-New-Session-Id"] == expected
+    answers = []
+    for question in ("What color is the shape?", "And its shape?", "Say that again."):
+        reply = ask(server, session_id, question)
+        assert reply.status_code == 200, reply.text
+        answers.append(reply.json())
+    assert [a["generation"]["text"] for a in answers] == [truth.color, truth.shape, truth.shape]
+    usage = [a["usage"] for a in answers]
+    assert all(u["tier"] == "kv" and u["cachedTokens"] > 0 for u in usage)
+    assert usage[1]["cachedTokens"] > usage[0]["cachedTokens"]
+    closed = invoke(server, {"requestType": "CLOSE_SESSION"}, session_id)
+    assert closed.status_code == 200
+    assert closed.headers["X-Amzn-SageMaker-Closed-Session-Id"] == session_id
+    gone = ask(server, session_id, "What shape is it?")
+    assert gone.status_code == 400 and gone.json()["error"]["code"] == "SESSION_CLOSED"
+
+
+def test_predictions_path_and_inline_image_work_too(server, images):
+    truth = images["b"][1]
+    b64 = base64.b64encode(image_bytes(truth.image)).decode()
+    reply = invoke(
+        server, {"requestType": "NEW_SESSION", "image": {"b64": b64}}, path="/predictions/llava"
+    )
+    assert reply.status_code == 200, reply.text
+    session_id = reply.json()["sessionId"]
+    answer = ask(server, session_id, "What shape is it?")
+    assert answer.json()["generation"]["text"] == truth.shape
+
+
+def test_interleaved_sessions_answer_about_their_own_image(server, images):
+    sessions = {name: open_session(server, url) for name, (url, _) in images.items()}
+    for question, attribute in [
+        ("What shape is it?", "shape"),
+        ("And its color?", "color"),
+        ("Say that again.", "color"),
+    ]:
+        for name, session_id in sessions.items():
+            reply = ask(server, session_id, question)
+            assert reply.json()["generation"]["text"] == getattr(images[name][1], attribute)
+
+
+@pytest.mark.parametrize(
+    "body, session, code",
+    [
+        (b"{not json", "NEW_SESSION", "INVALID_REQUEST"),
+        ({"requestType": "SESSION"}, "SID", "INVALID_REQUEST"),
+        ({"requestType": "SESSION", "inputs": ""}, "SID", "INVALID_REQUEST"),
+        ({"requestType": "TELEPORT"}, "SID", "UNKNOWN_REQUEST_TYPE"),
+        (
+            {"requestType": "SESSION", "inputs": "Hi", "parameters": {"max_new_tokens": -1}},
+            "SID",
+            "INVALID_REQUEST",
+        ),
+        (
+            {"requestType": "SESSION", "inputs": "Hi", "parameters": {"temperature": "hot"}},
+            "SID",
+            "INVALID_REQUEST",
+        ),
+        ({"requestType": "SESSION", "inputs": "Hi"}, "0000-unknown-0000", "SESSION_NOT_FOUND"),
+        ({"requestType": "CLOSE_SESSION"}, "0000-unknown-0000", "SESSION_NOT_FOUND"),
+        (
+            {"requestType": "NEW_SESSION", "image": {"url": "file:///etc/passwd"}},
+            None,
+            "IMAGE_SOURCE_NOT_ALLOWED",
+        ),
+    ],
+)
+def test_bad_requests_get_400_class_json_and_harm_no_one(server, images, body, session, code):
+    url, truth = images["a"]
+    bystander = open_session(server, url)
+    worker = server.worker_pid()
+    target = bystander if session == "SID" else session
+    reply = invoke(server, body, target)
+    assert 400 <= reply.status_code < 500, reply.text
+    assert reply.json()["error"]["code"] == code and reply.json()["error"]["message"]
+    assert server.worker_pid() == worker
+    assert ask(server, bystander, "What color is the shape?").json()["generation"]["text"] == (
+        truth.color
+    )
+
+
+def test_streamed_chunks_arrive_before_the_answer_is_done(server, images):
+    session_id = open_session(server, images["a"][0])
+    params = {"max_new_tokens": 120, "min_new_tokens": 120}
+    plain = ask(server, session_id, "What shape is it?", parameters=params).json()
+    other = open_session(server, images["a"][0])
+    start = time.perf_counter()
+    reply = invoke(
+        server,
+        {
+            "requestType": "SESSION",
+            "inputs": "What shape is it?",
+            "parameters": params,
+            "stream": True,
+        },
+        other,
+        stream=True,
+    )
+    assert reply.status_code == 200
+    arrivals, lines = [], []
+    for line in reply.iter_lines():
+        if line:
+            arrivals.append(time.perf_counter() - start)
+            lines.append(json.loads(line))
+    chunks, final = lines[:-1], lines[-1]
+    assert len(chunks) > 10
+    assert "".join(c["token"]["text"] for c in chunks) == plain["generation"]["text"]
+    assert final["generation"] == plain["generation"]
+    # the first token was read while most of the answer was still being generated
+    assert arrivals[0] < 0.5 * arrivals[-1]
+
+
+def test_streaming_errors_before_the_first_chunk_keep_their_status(server):
+    reply = invoke(
+        server,
+        {"requestType": "SESSION", "inputs": "Hi", "stream": True},
+        "0000-unknown-0000",
+        stream=True,
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "SESSION_NOT_FOUND"
+
+
+def test_session_metrics_reach_the_metrics_endpoint(server, images):
+    session_id = open_session(server, images["a"][0])
+    ask(server, session_id, "What shape is it?")
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    for name in (
+        "SessionsOpen",
+        "SessionBytes",
+        "TurnNewTokens",
+        "TurnCachedTokens",
+        "SessionsOpened",
+        "TurnLatency",
+    ):
+        assert name in text, name
+
+
+def test_the_served_mar_is_the_one_make_mar_built(server):
+    manifest = json.loads(zipfile.ZipFile(MAR).read("MAR-INF/MANIFEST.json"))
+    extracted = list((server.tmp_dir / "models").glob("*/MAR-INF/MANIFEST.json"))
+    assert len(extracted) == 1
+    assert json.loads(extracted[0].read_text()) == manifest
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+@pytest.fixture(scope="module")
+def short_ttl_server(tmp_path_factory):
+    instance = start_instance(tmp_path_factory.mktemp("ts-ttl"), LLAVA_SESSION_TTL_S="2")
+    yield instance
+    instance.stop()
+
+
+def test_an_expired_session_gets_400_expired(short_ttl_server, images):
+    session_id = open_session(short_ttl_server, images["a"][0])
+    # a fresh session answers; once idle past its 2 s TTL it reports expiry, never a 500
+    assert ask(short_ttl_server, session_id, "What shape is it?").status_code == 200
+
+    def expired():
+        reply = ask(short_ttl_server, session_id, "What shape is it?")
+        assert reply.status_code in (200, 400), reply.text
+        return reply.status_code == 400 and reply.json()["error"]["code"] == "SESSION_EXPIRED"
+
+    wait_until(expired, timeout=20, what="session expiry")
+
+
+def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images):
+    url, truth = images["b"]
+    session_id = open_session(short_ttl_server, url)
+    old = short_ttl_server.worker_pid()
+    os.kill(old, signal.SIGKILL)
+    new = wait_until(
+        lambda: (pid := short_ttl_server.worker_pid()) not in (None, old) and pid,
+        timeout=60,
+        what="a restarted READY worker",
+    )
+    assert new != old
+    reply = ask(short_ttl_server, session_id, "What shape is it?")
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "SESSION_NOT_FOUND"
+    fresh = open_session(short_ttl_server, url)
+    assert ask(short_ttl_server, fresh, "What shape is it?").json()["generation"]["text"] == (
+        truth.shape
+    )
