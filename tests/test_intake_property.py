@@ -16,6 +16,7 @@ from PIL import Image
 from llava.errors import EngineError
 from llava.intake import IntakePolicy, decode_image, load_image, parse_image_source
 from tests.intake_servers import image_bytes
+from tests.strategies import json_values
 
 # Small pixel limit: a mutated header may claim a big image, and decoding it is not the point.
 POLICY = IntakePolicy(max_pixels=200_000, max_bytes=64 * 1024)
@@ -30,13 +31,6 @@ SEEDS = [
     image_bytes(_seed.convert("RGB"), "BMP"),
 ]
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
-    ),
-    max_leaves=8,
-)
 source_like = st.dictionaries(
     st.sampled_from(["url", "s3", "b64", "URL", ""]),
     json_values | st.text(max_size=80).map(lambda t: "s3://" + t) | st.just("s3://b-1/k"),

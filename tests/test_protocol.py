@@ -20,6 +20,7 @@ from handlers.protocol import (
 )
 from llava import errors
 from llava.errors import EngineError, InvalidRequest
+from tests.strategies import json_values
 
 SID = "3f2a-9b7c-0d1e"
 
@@ -159,13 +160,6 @@ def test_a_bug_is_a_500_that_names_no_internals():
     assert status == 500 and "secret" not in body["error"]["message"]
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5)
-    ),
-    max_leaves=20,
-)
 request_like = st.fixed_dictionaries(
     {},
     optional={
