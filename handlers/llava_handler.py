@@ -89,11 +89,11 @@ class LlavaService:
         return {"sessionId": request.session_id, "closed": True}
 
     def _ask(self, request: AskSession, reply: _Reply) -> dict:
-        on_text = None
+        on_token = None
         if request.stream:
             reply.header("Content-Type", JSON_LINES)
-            on_text = reply.send_text
-        answer = self.engine.ask(request.session_id, request.question, request.parameters, on_text)
+            on_token = reply.send_token
+        answer = self.engine.ask(request.session_id, request.question, request.parameters, on_token)
         self.metrics.turn(answer)
         return _answer_payload(answer)
 
@@ -112,10 +112,10 @@ class _Reply:
     def status(self, code: int) -> None:
         self.context.set_response_status(code, "", self.idx)
 
-    def send_text(self, text: str) -> None:
+    def send_token(self, text: str, token_id: int | None) -> None:
         from ts.handler_utils.utils import send_intermediate_predict_response
 
-        chunk = json.dumps({"token": {"text": text}}) + "\n"
+        chunk = json.dumps({"token": {"id": token_id, "text": text}}) + "\n"
         send_intermediate_predict_response(
             [chunk], self.context.request_ids, "Intermediate response", 200, self.context
         )

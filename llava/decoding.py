@@ -66,6 +66,7 @@ def _pick(logits: torch.Tensor, params: GenerationParams, generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@torch.inference_mode()
 def decode(
     model,
     history: list[int],
@@ -93,7 +94,7 @@ def decode(
     eos = torch.tensor(sorted(eos_token_ids), device=logits.device)
     while True:
         if len(generated) < params.min_new_tokens:
-            logits[eos] = float("-inf")
+            logits = logits.index_fill(0, eos, float("-inf"))
         token = _pick(logits, params, generator)
         generated.append(token)
         if on_token is not None:

@@ -89,9 +89,14 @@ class Engine:
         session_id: str,
         question: str,
         parameters: dict | None = None,
-        on_text: Callable[[str], None] | None = None,
+        on_token: Callable[[str, int | None], None] | None = None,
     ) -> Answer:
-        """Answer ``question`` in the session; ``on_text`` receives the answer as it grows."""
+        """Answer ``question`` in the session.
+
+        ``on_token(text, token_id)`` is called for every generated id as it is generated, with
+        the text it adds (empty for special ids or a partial character); a last call with
+        ``token_id=None`` carries any text held back. The texts concatenate to the answer.
+        """
         params = GenerationParams.from_mapping(
             parameters,
             default_max_new_tokens=self.config.default_max_new_tokens,
@@ -103,7 +108,7 @@ class Engine:
             history = session.token_ids + self._turn_ids(session, question)
             self._check_length(len(history) + params.max_new_tokens)
             deltas = TextDeltas(self.loaded.tokenizer)
-            on_token = None if on_text is None else lambda t: _emit(on_text, deltas.push(t))
+            stream = None if on_token is None else lambda t: on_token(deltas.push(t), t)
             if session.cache is None:
                 session.cache = DynamicCache()
             try:
@@ -114,13 +119,14 @@ class Engine:
                     session.image_features,
                     params,
                     self.loaded.eos_token_ids,
-                    on_token,
+                    stream,
                 )
             except BaseException:
                 session.demote()  # the cache may hold a partial turn; the history does not
                 raise
-            if on_text is not None:
-                _emit(on_text, deltas.flush())
+            held_back = deltas.flush()
+            if on_token is not None and held_back:
+                on_token(held_back, None)
             session.token_ids = history + list(decoded.token_ids) + self._closing(decoded)
             session.turns += 1
             expires_at = self.store.expires_at(session)
@@ -195,11 +201,6 @@ class Engine:
                 f"{self.loaded.max_positions}; lower max_new_tokens or open a new session",
                 code="CONVERSATION_TOO_LONG",
             )
-
-
-def _emit(on_text: Callable[[str], None], delta: str) -> None:
-    if delta:
-        on_text(delta)
 
 
 def _session_budget(config: EngineConfig, loaded: LoadedModel) -> int:

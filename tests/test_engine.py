@@ -157,9 +157,10 @@ def test_interleaved_sessions_each_answer_about_their_own_image(engine):
 
 def test_streamed_text_concatenates_to_the_answer(engine, sample):
     session_id = engine.open(sample.image).session_id
-    chunks: list[str] = []
-    answer = engine.ask(session_id, "What shape is it?", on_text=chunks.append)
-    assert chunks and "".join(chunks) == answer.text == sample.shape
+    chunks: list[tuple[str, int | None]] = []
+    answer = engine.ask(session_id, "What shape is it?", on_token=lambda *c: chunks.append(c))
+    assert [token_id for _, token_id in chunks] == list(answer.token_ids)
+    assert "".join(text for text, _ in chunks) == answer.text == sample.shape
 
 
 def test_seeded_sampling_is_reproducible(engine, sample):
@@ -209,4 +210,3 @@ def test_unknown_session_is_not_found(engine):
     with pytest.raises(SessionNotFound) as err:
         engine.ask("0123-abcd", "What shape is it?")
     assert err.value.code == "SESSION_NOT_FOUND"
-
