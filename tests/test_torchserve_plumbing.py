@@ -54,8 +54,9 @@ def store(tmp_path_factory):
         build_mar(model, weights, handler=probe, export_path=export, model_name=weights)
     for name, source in CRASHING_HANDLERS.items():
         (root / f"{name}.py").write_text(source)
-        build_mar(model, "reference", handler=root / f"{name}.py", export_path=export,
-                  model_name=name)
+        build_mar(
+            model, "reference", handler=root / f"{name}.py", export_path=export, model_name=name
+        )
     return export, model
 
 
@@ -112,8 +113,10 @@ def test_start_returns_when_ready_and_stop_leaves_nothing(tmp_path, store):
         assert answer["llava"].startswith(f"{ts.tmp_dir}/models/")  # the .mar's copy, not ours
         assert answer["has_config"] and answer["model_dir"] == f"{answer['base']}/weights"
         big = requests.post(  # inline images: config.properties raises the 6.5 MB default
-            f"{ts.inference_url}/predictions/inside", data=b'{"b64": "%s"}' % (b"A" * 8_000_000),
-            headers={"Content-Type": "application/json"}, timeout=30,
+            f"{ts.inference_url}/predictions/inside",
+            data=b'{"b64": "%s"}' % (b"A" * 8_000_000),
+            headers={"Content-Type": "application/json"},
+            timeout=30,
         )
         assert big.status_code == 200
         metrics = requests.get(f"http://127.0.0.1:{ts.metrics_port}/metrics", timeout=10)
