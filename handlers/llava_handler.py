@@ -46,7 +46,14 @@ class LlavaService:
         model_dir = os.path.join(context.system_properties["model_dir"], model_dir)
         config = EngineConfig.from_mapping({**settings, "model_dir": model_dir})
         engine = Engine.from_config(config)
-        logger.info("loaded %s on %s (%s)", model_dir, engine.loaded.device, engine.loaded.dtype)
+        warm_s = engine.warm_up()
+        logger.info(
+            "loaded %s on %s (%s); warm-up %.2f s",
+            model_dir,
+            engine.loaded.device,
+            engine.loaded.dtype,
+            warm_s,
+        )
         return cls(
             engine, IntakePolicy.from_mapping(config.intake), SessionMetrics(context.metrics)
         )

@@ -65,6 +65,18 @@ class Engine:
         )
         return cls(loaded, store, config)
 
+    def warm_up(self) -> float:
+        """Run the vision tower, a prefill and a decode step once, outside any session, so the
+        first caller does not pay for lazy initialization. Returns the seconds it took."""
+        start = time.perf_counter()
+        size = self.loaded.processor.image_processor.crop_size
+        blank = Image.new("RGB", (size["width"], size["height"]))
+        ids, features = self._encode_opening(self.loaded.prompt.opening(with_image=True), blank)
+        cache = DynamicCache()
+        prefill(self.loaded.model, ids, cache, features)
+        prefill(self.loaded.model, ids[-1:], cache)
+        return time.perf_counter() - start
+
     # -- the three operations --------------------------------------------------------------
     def open(self, image: Image.Image | None = None) -> Opened:
         """Run the vision tower once and prefill the opening; the session starts hot."""

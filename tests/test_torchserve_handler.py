@@ -244,6 +244,33 @@ def test_session_metrics_reach_the_metrics_endpoint(server, images):
         assert name in text, name
 
 
+def sessions_open(instance) -> float:
+    """Sessions held by the worker, summed over tiers, from the Prometheus metrics text."""
+    text = requests.get(f"http://127.0.0.1:{instance.metrics_port}/metrics", timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith("SessionsOpen{")]
+    assert lines, "no SessionsOpen gauge yet"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        {"url": "http://169.254.169.254/latest/meta-data/"},
+        {"b64": "aGVsbG8gd29ybGQ="},
+        {"url": "http://127.0.0.1:9/nothing-listens-here.png"},
+    ],
+    ids=["metadata-address", "not-an-image", "fetch-failed"],
+)
+def test_a_failed_open_leaves_nothing_behind(server, images, image):
+    open_session(server, images["a"][0])  # at least one session, so the gauge exists
+    before = sessions_open(server)
+    reply = invoke(server, {"requestType": "NEW_SESSION", "image": image}, "NEW_SESSION")
+    assert reply.status_code in (403, 415, 424), reply.text
+    assert SESSION not in reply.headers and "X-Amzn-SageMaker-New-Session-Id" not in reply.headers
+    invoke(server, {"requestType": "SESSION", "inputs": "x"}, "0000-refresh-gauges")
+    assert sessions_open(server) == before
+
+
 def test_the_served_mar_is_the_one_make_mar_built(server):
     manifest = json.loads(zipfile.ZipFile(MAR).read("MAR-INF/MANIFEST.json"))
     extracted = list((server.tmp_dir / "models").glob("*/MAR-INF/MANIFEST.json"))
