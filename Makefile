@@ -33,8 +33,10 @@ test: setup lint mar
 demo: mar
 	$(PY) scripts/demo.py
 
-bench: setup
+# Per-turn latency by cache mode (realistic-shape model), then TorchServe's overhead per turn.
+bench: mar
 	$(PY) scripts/bench_turns.py
+	$(PY) scripts/bench_handler.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup

@@ -28,6 +28,7 @@ from llava.config import EngineConfig
 from llava.decoding import decode
 from llava.engine import Engine
 from llava.generation import GenerationParams
+from llava.session import TOKEN_ID_BYTES
 from llava.synthetic import held_out_samples
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,8 +74,10 @@ def replay(engine: Engine, mode: str, image, prompts, params: GenerationParams):
         setup = time.perf_counter() - start
         out = decode(loaded.model, prompt, DynamicCache(), features, params, loaded.eos_token_ids)
         timings.append((setup + out.prefill_s, setup + out.total_s))
-    held = {"stateless": 0, "pixels": pixels.nbytes, "features": features.nbytes}[mode]
-    return timings, held + 8 * len(prompts[-1])
+    if mode == "stateless":
+        return timings, 0  # the client re-sends image and conversation every turn
+    cached = pixels if mode == "pixels" else features
+    return timings, cached.nbytes + TOKEN_ID_BYTES * len(prompts[-1])
 
 
 def main() -> None:
