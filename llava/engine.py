@@ -141,7 +141,6 @@ class Engine:
                 on_token(held_back, None)
             session.token_ids = history + list(decoded.token_ids) + self._closing(decoded)
             session.turns += 1
-            expires_at = self.store.expires_at(session)
         self.store.record_turn(decoded.prefill_tokens, cached)
         return Answer(
             session_id=session_id,
@@ -153,7 +152,7 @@ class Engine:
             tier=tier,
             ttft_s=decoded.prefill_s,
             total_s=decoded.total_s,
-            expires_at=expires_at,
+            expires_at=self.store.expires_at(session),  # leaving the turn restarted the idle clock
         )
 
     def close(self, session_id: str) -> None:

@@ -227,3 +227,13 @@ def test_warm_up_touches_no_session_or_counter(engine):
     before = engine.stats()
     assert engine.warm_up() > 0
     assert engine.stats() == before
+
+
+def test_each_turn_announces_an_expiry_one_ttl_after_it(engine, clock, sample):
+    from datetime import UTC, datetime, timedelta
+
+    session_id = engine.open(sample.image).session_id
+    clock.now += 45  # idle for most of the 60 s TTL, then a turn
+    answer = engine.ask(session_id, "What shape is it?")
+    expected = datetime.now(UTC) + timedelta(seconds=60)
+    assert abs((answer.expires_at - expected).total_seconds()) <= 2
