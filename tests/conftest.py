@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.store import SessionStore
+from llava.synthetic import held_out_samples
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL_DIR = REPO / "models" / "demo-llava"
 
@@ -15,3 +20,27 @@ def demo_model():
     from llava.model import load_model
 
     return load_model(str(DEMO_MODEL_DIR))
+
+
+def recognized_samples(demo_model, n: int, seed: int = 20_000):
+    """Held-out images whose colour and shape the model names in a fresh, isolated session.
+
+    The model is ~99 % accurate (tests/test_demo_model.py checks that); these tests are about
+    what sessions do to answers, so they start from images it is known to get right alone.
+    """
+    engine = Engine(demo_model, SessionStore(budget_bytes=1 << 30), EngineConfig(model_dir="-"))
+    found = []
+    for candidate in held_out_samples(200, seed=seed):
+        session_id = engine.open(candidate.image).session_id
+        color = engine.ask(session_id, "What color is the shape?").text
+        shape = engine.ask(session_id, "And its shape?").text
+        if (color, shape) == (candidate.color, candidate.shape):
+            found.append(candidate)
+        if len(found) == n:
+            return found
+    raise AssertionError(f"the demo model recognized fewer than {n} of 200 held-out images")
+
+
+@pytest.fixture(scope="module")
+def sample(demo_model):
+    return recognized_samples(demo_model, 1)[0]

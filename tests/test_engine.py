@@ -11,6 +11,7 @@ from llava.errors import InvalidRequest, SessionNotFound
 from llava.session import Tier
 from llava.store import SessionStore
 from llava.synthetic import held_out_samples
+from tests.conftest import recognized_samples
 
 # Six+ turns mixing first questions, follow-ups that need the history, and free text.
 CONVERSATION = [
@@ -44,39 +45,14 @@ def engine(demo_model, clock):
     return Engine(demo_model, store, EngineConfig(model_dir="unused"))
 
 
-def recognized_samples(demo_model, n: int, seed: int = 20_000):
-    """Held-out images whose colour and shape the model names in a fresh, isolated session.
-
-    The model is ~99 % accurate (tests/test_demo_model.py checks that); these tests are about
-    what sessions do to answers, so they start from images it is known to get right alone.
-    """
-    engine = Engine(demo_model, SessionStore(budget_bytes=1 << 30), EngineConfig(model_dir="-"))
-    found = []
-    for candidate in held_out_samples(200, seed=seed):
-        session_id = engine.open(candidate.image).session_id
-        color = engine.ask(session_id, "What color is the shape?").text
-        shape = engine.ask(session_id, "And its shape?").text
-        if (color, shape) == (candidate.color, candidate.shape):
-            found.append(candidate)
-        if len(found) == n:
-            return found
-    raise AssertionError(f"the demo model recognized fewer than {n} of 200 held-out images")
-
-
-@pytest.fixture(scope="module")
-def sample(demo_model):
-    return recognized_samples(demo_model, 1)[0]
-
-
 def full_recompute(engine: Engine, prompt_ids: list[int], image, max_new: int) -> list[int]:
     """Greedy answer computed from scratch by transformers' own generate: no session state."""
     loaded = engine.loaded
-    inputs = {"input_ids": torch.tensor([prompt_ids])}
+    inputs = {"input_ids": torch.tensor([prompt_ids], device=loaded.device)}
     if image is not None:
         opening = loaded.prompt.opening(with_image=True)
-        inputs["pixel_values"] = loaded.processor(
-            text=opening, images=image, return_tensors="pt"
-        ).pixel_values
+        pixels = loaded.processor(text=opening, images=image, return_tensors="pt").pixel_values
+        inputs["pixel_values"] = pixels.to(loaded.device, loaded.dtype)
     out = loaded.model.generate(**inputs, do_sample=False, max_new_tokens=max_new)
     return out[0, len(prompt_ids) :].tolist()
 

@@ -1,0 +1,37 @@
+"""The engine on CUDA: skipped cleanly where there is none (CI never has one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.session import Tier
+from tests.conftest import DEMO_MODEL_DIR
+from tests.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sessions_on_cuda_answer_and_reuse_their_cache(sample, dtype):
+    engine = Engine.from_config(
+        EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype=dtype)
+    )
+    assert engine.loaded.device.type == "cuda"
+    session_id = engine.open(sample.image).session_id
+    answer = engine.ask(session_id, "What color is the shape?")
+    assert answer.text == sample.color and answer.tier is Tier.KV
+    assert engine.stats().bytes_by_tier[Tier.KV] > 0
+    if dtype == "float32":  # token-exact equality is a fp32 promise
+        for question in CONVERSATION[1:]:
+            answer = engine.ask(session_id, question, {"max_new_tokens": 6})
+            prompt = prompt_of_last_turn(engine, session_id, answer)
+            expected = full_recompute(engine, prompt, sample.image, 6)
+            assert list(answer.token_ids) == expected, question
+    engine.close(session_id)
+    assert engine.stats().total_bytes == 0
