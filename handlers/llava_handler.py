@@ -10,6 +10,8 @@ import json
 import logging
 import os
 
+from ts.handler_utils.utils import send_intermediate_predict_response
+
 from handlers.errors import error_response
 from handlers.metrics import SessionMetrics
 from handlers.protocol import (
@@ -60,6 +62,7 @@ class LlavaService:
 
     def serve(self, idx: int, body, context) -> str:
         reply = _Reply(context, idx)
+        reply.content_type(JSON)
         try:
             request = parse_request(body, context.get_all_request_header(idx) or {})
             if isinstance(request, OpenSession):
@@ -73,6 +76,7 @@ class LlavaService:
             if reply.streaming:  # headers are gone: report in the stream's last line
                 return json.dumps(payload) + "\n"
             reply.status(status)
+            reply.content_type(JSON)
         finally:
             self.metrics.store(self.engine.stats())
         return json.dumps(payload) + ("\n" if reply.streaming else "")
@@ -98,7 +102,7 @@ class LlavaService:
     def _ask(self, request: AskSession, reply: _Reply) -> dict:
         on_token = None
         if request.stream:
-            reply.header("Content-Type", JSON_LINES)
+            reply.content_type(JSON_LINES)
             on_token = reply.send_token
         answer = self.engine.ask(request.session_id, request.question, request.parameters, on_token)
         self.metrics.turn(answer)
@@ -116,12 +120,13 @@ class _Reply:
     def header(self, name: str, value: str) -> None:
         self.context.set_response_header(self.idx, name, value)
 
+    def content_type(self, value: str) -> None:
+        self.context.set_response_content_type(self.idx, value)
+
     def status(self, code: int) -> None:
         self.context.set_response_status(code, "", self.idx)
 
     def send_token(self, text: str, token_id: int | None) -> None:
-        from ts.handler_utils.utils import send_intermediate_predict_response
-
         chunk = json.dumps({"token": {"id": token_id, "text": text}}) + "\n"
         send_intermediate_predict_response(
             [chunk], self.context.request_ids, "Intermediate response", 200, self.context
@@ -164,8 +169,6 @@ def handle(data, context):
         _service = LlavaService.from_context(context)
     if data is None:
         return None
-    for idx in range(len(data)):
-        context.set_response_content_type(idx, JSON)
     return [
         _service.serve(idx, row.get("body", row.get("data")), context)
         for idx, row in enumerate(data)

@@ -205,6 +205,7 @@ def test_streamed_chunks_arrive_before_the_answer_is_done(server, images):
         stream=True,
     )
     assert reply.status_code == 200
+    assert reply.headers["Content-Type"].startswith("application/jsonlines")
     arrivals, lines = [], []
     for line in reply.iter_lines():
         if line:
@@ -226,6 +227,7 @@ def test_streaming_errors_before_the_first_chunk_keep_their_status(server):
         stream=True,
     )
     assert reply.status_code == 400
+    assert reply.headers["Content-Type"].split(";")[0] == "application/json"
     assert reply.json()["error"]["code"] == "SESSION_NOT_FOUND"
 
 
