@@ -25,19 +25,14 @@ sys.path.insert(0, str(REPO))
 from llava.config import EngineConfig  # noqa: E402
 from llava.engine import Engine  # noqa: E402
 from llava.synthetic import held_out_samples  # noqa: E402
-from scripts.demo import QUESTIONS, free_port  # noqa: E402
+from scripts.demo import QUESTIONS  # noqa: E402
 from scripts.torchserve_ctl import TorchServeInstance  # noqa: E402
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 
 
 def through_torchserve(image_b64: str, turns: int) -> tuple[list[float], list[float], float]:
-    instance = TorchServeInstance(
-        root=Path(tempfile.mkdtemp(prefix="bench-ts-")),
-        inference_port=free_port(),
-        management_port=free_port(),
-        metrics_port=free_port(),
-    )
+    instance = TorchServeInstance.on_free_ports(Path(tempfile.mkdtemp(prefix="bench-ts-")))
     start = time.perf_counter()
     instance.start(timeout=180)
     ready_s = time.perf_counter() - start

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import socket
 import sys
 import tempfile
 import threading
@@ -39,12 +38,6 @@ QUESTIONS = [
 class QuietHandler(SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_directory(directory: Path) -> ThreadingHTTPServer:
@@ -105,11 +98,8 @@ def main() -> int:
         sample.image.save(Path(tmp) / "shape.png")
         httpd = serve_directory(Path(tmp))
         image_url = f"http://127.0.0.1:{httpd.server_address[1]}/shape.png"
-        instance = TorchServeInstance(
-            root=REPO / ".run" / "demo",
-            inference_port=free_port(),
-            management_port=free_port(),
-            metrics_port=free_port(),
+        instance = TorchServeInstance.on_free_ports(
+            REPO / ".run" / "demo",
             # the default intake policy refuses loopback; the demo image is on loopback
             env={"LLAVA_INTAKE": json.dumps({"allow": ["127.0.0.1"]})},
         )

@@ -62,7 +62,8 @@ def build_mar(
         work.mkdir()
         for package in PACKAGES:
             shutil.copytree(
-                ROOT / package, extra / package,
+                ROOT / package,
+                extra / package,
                 ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
             )
         if inside:  # a link: the archiver copies through it, we don't copy the weights twice
@@ -76,12 +77,18 @@ def build_mar(
         subprocess.run(
             [
                 Path(sys.executable).parent / "torch-model-archiver",
-                "--model-name", model_name,
-                "--version", "1.0",
-                "--handler", handler,
-                "--extra-files", extra,
-                "--config-file", model_config,
-                "--export-path", export_path,
+                "--model-name",
+                model_name,
+                "--version",
+                "1.0",
+                "--handler",
+                handler,
+                "--extra-files",
+                extra,
+                "--config-file",
+                model_config,
+                "--export-path",
+                export_path,
                 "--force",
             ],
             env={**os.environ, "TMPDIR": str(work)},
@@ -101,8 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         mar = build_mar(
-            args.model_dir, args.weights, handler=args.handler, config=args.config,
-            export_path=args.export_path, model_name=args.model_name,
+            args.model_dir,
+            args.weights,
+            handler=args.handler,
+            config=args.config,
+            export_path=args.export_path,
+            model_name=args.model_name,
         )
     except FileNotFoundError as e:
         parser.error(str(e))

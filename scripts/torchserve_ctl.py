@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHSERVE = Path(sys.executable).parent / "torchserve"
 JAVA_MAIN = "org.pytorch.serve.ModelServer"
 UNIX_PATH_MAX = 107  # worker sockets are $TMPDIR/.ts.sock.<port>; longer paths fail to bind
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all bound at once, so none is handed out twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 class TorchServeError(RuntimeError):
@@ -50,6 +61,12 @@ class TorchServeInstance:
     ts_config: Path = ROOT / "config.properties"
     host: str = "127.0.0.1"  # the address TorchServe binds; we always poll via 127.0.0.1
     env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. LLAVA_* settings
+
+    @classmethod
+    def on_free_ports(cls, root: Path, **settings) -> TorchServeInstance:
+        """An instance whose three ports are free now: for tests, demos and benchmarks."""
+        inference, management, metrics = free_ports(3)
+        return cls(root, inference, management, metrics, **settings)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).absolute()
@@ -86,12 +103,21 @@ class TorchServeInstance:
         with open(self.root / "torchserve.out", "wb") as out:
             launched = subprocess.run(
                 [
-                    TORCHSERVE, "--start", "--ncs", "--disable-token-auth",
-                    "--ts-config", self.ts_config,
-                    "--model-store", self.model_store,
-                    "--models", f"{self.mar_name}={mar.name}",
+                    TORCHSERVE,
+                    "--start",
+                    "--ncs",
+                    "--disable-token-auth",
+                    "--ts-config",
+                    self.ts_config,
+                    "--model-store",
+                    self.model_store,
+                    "--models",
+                    f"{self.mar_name}={mar.name}",
                 ],
-                env=self._env(), cwd=self.root, stdout=out, stderr=subprocess.STDOUT,
+                env=self._env(),
+                cwd=self.root,
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         if launched.returncode != 0:
             raise self._failure(f"torchserve --start exited with {launched.returncode}")
@@ -129,8 +155,11 @@ class TorchServeInstance:
         procs = self.processes()
         if self.java_pid() is not None:  # SIGTERM to Java; we wait ourselves, bounded, below
             subprocess.run(
-                [TORCHSERVE, "--stop"], env=self._env(), cwd=self.root,
-                stdout=subprocess.DEVNULL, check=False,
+                [TORCHSERVE, "--stop"],
+                env=self._env(),
+                cwd=self.root,
+                stdout=subprocess.DEVNULL,
+                check=False,
             )
         _, alive = psutil.wait_procs(procs, timeout=timeout)
         for proc in alive:
@@ -167,8 +196,11 @@ class TorchServeInstance:
         tmp, logs = str(self.tmp_dir), str(self.log_dir)
         return {
             **os.environ,
-            "TMPDIR": tmp, "TEMP": tmp, "TMP": tmp,
-            "LOG_LOCATION": logs, "METRICS_LOCATION": logs,
+            "TMPDIR": tmp,
+            "TEMP": tmp,
+            "TMP": tmp,
+            "LOG_LOCATION": logs,
+            "METRICS_LOCATION": logs,
             "TS_INFERENCE_ADDRESS": f"http://{self.host}:{self.inference_port}",
             "TS_MANAGEMENT_ADDRESS": f"http://{self.host}:{self.management_port}",
             "TS_METRICS_ADDRESS": f"http://{self.host}:{self.metrics_port}",
@@ -230,15 +262,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", default=180.0, type=float, help="start: seconds to READY")
     args = parser.parse_args(argv)
     ts = TorchServeInstance(
-        args.instance_dir, args.inference_port, args.management_port, args.metrics_port,
-        args.model_store, args.model, host=args.host,
+        args.instance_dir,
+        args.inference_port,
+        args.management_port,
+        args.metrics_port,
+        args.model_store,
+        args.model,
+        host=args.host,
     )
     try:
         if args.command == "start":
             began = time.monotonic()
             pid = ts.start(args.timeout)
-            print(f"{args.model} READY in {time.monotonic() - began:.1f} s: worker pid {pid}, "
-                  f"{ts.inference_url}/predictions/{args.model}, logs in {ts.log_dir}")
+            print(
+                f"{args.model} READY in {time.monotonic() - began:.1f} s: worker pid {pid}, "
+                f"{ts.inference_url}/predictions/{args.model}, logs in {ts.log_dir}"
+            )
         elif args.command == "stop":
             ts.stop()
             print(f"stopped ({ts.root})")

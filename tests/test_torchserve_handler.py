@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import time
 import zipfile
 from datetime import UTC, datetime, timedelta
@@ -31,25 +30,11 @@ MAR = REPO / "model-store" / "llava.mar"
 LOOPBACK_IMAGES = json.dumps({"allow": ["127.0.0.1"]})
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def start_instance(tmp: Path, **env: str) -> TorchServeInstance:
     if not MAR.exists():  # `make test` builds it with `make mar`; a bare pytest run may not
         build_mar(DEMO_MODEL_DIR)
-    inference, management, metrics = free_ports(3)
-    instance = TorchServeInstance(
-        root=tmp,
-        inference_port=inference,
-        management_port=management,
-        metrics_port=metrics,
+    instance = TorchServeInstance.on_free_ports(
+        tmp,
         model_store=MAR.parent,
         env={"LLAVA_INTAKE": LOOPBACK_IMAGES, **env},
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 import time
 import zipfile
-from contextlib import ExitStack
 
 import psutil
 import pytest
@@ -60,17 +59,8 @@ def store(tmp_path_factory):
     return export, model
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct ports the OS considers free on 127.0.0.1 right now."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 def instance(tmp_path, store, name, mar) -> TorchServeInstance:
-    return TorchServeInstance(tmp_path / name, *free_ports(3), store[0], mar)
+    return TorchServeInstance.on_free_ports(tmp_path / name, model_store=store[0], mar_name=mar)
 
 
 def gone(pid: int) -> bool:
