@@ -130,10 +130,7 @@ def evaluate(model, processor, samples: Sequence[ShapeSample]) -> dict[str, floa
 
 def evaluate_dir(model_dir: str, n: int = 100, seed: int = HELD_OUT_SEED_START) -> dict[str, float]:
     """Load a saved model directory the way the engine does and evaluate it on held-out images."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from llava.model import load_model
 
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = LlavaForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    return evaluate(model, processor, held_out_samples(n, seed))
+    loaded = load_model(model_dir, device="cpu", dtype="float32")
+    return evaluate(loaded.model, loaded.processor, held_out_samples(n, seed))
