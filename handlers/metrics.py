@@ -6,8 +6,6 @@ the increase since the previous snapshot, so the endpoint's totals match the sto
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from ts.metrics.metric_type_enum import MetricTypes
 
 from llava.engine import Answer
@@ -50,9 +48,8 @@ class SessionMetrics:
             self._open.add_or_update(count, [tier.value])
         for tier, nbytes in stats.bytes_by_tier.items():
             self._bytes.add_or_update(nbytes, [tier.value])
-        for field in fields(StoreCounters):
-            if field.name in self._counters:
-                increase = getattr(stats.counters, field.name) - getattr(self._last, field.name)
-                if increase:
-                    self._counters[field.name].add_or_update(increase)
+        for name, metric in self._counters.items():
+            increase = getattr(stats.counters, name) - getattr(self._last, name)
+            if increase:
+                metric.add_or_update(increase)
         self._last = stats.counters

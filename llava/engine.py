@@ -32,7 +32,6 @@ class Opened:
     expires_at: datetime
     prefill_tokens: int
     image_tokens: int
-    open_s: float
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,6 @@ class Engine:
     # -- the three operations --------------------------------------------------------------
     def open(self, image: Image.Image | None = None) -> Opened:
         """Run the vision tower once and prefill the opening; the session starts hot."""
-        start = time.perf_counter()
         opening = self.loaded.prompt.opening(with_image=image is not None)
         ids, features = self._encode_opening(opening, image)
         cache = DynamicCache()
@@ -93,7 +91,6 @@ class Engine:
             expires_at=self.store.expires_at(session),
             prefill_tokens=len(ids),
             image_tokens=0 if features is None else features.shape[0],
-            open_s=time.perf_counter() - start,
         )
 
     def ask(

@@ -138,11 +138,6 @@ class SessionStore:
         with self._lock:
             self._count(turns=1, new_tokens=new_tokens, cached_tokens=cached_tokens)
 
-    def sweep(self) -> int:
-        """Remove expired sessions now; return how many. Also done by every store call."""
-        with self._lock:
-            return self._sweep()
-
     # -- views -----------------------------------------------------------------------------
     def expires_at(self, session: Session) -> datetime:
         wall = session.last_used + self.ttl_s + self._wall_offset()
@@ -197,7 +192,7 @@ class SessionStore:
         """True if no turn holds the session; the caller must release it if so."""
         return session.lock.acquire(blocking=False)
 
-    def _sweep(self) -> int:
+    def _sweep(self) -> None:
         deadline = self._clock() - self.ttl_s
         expired = 0
         for session_id, session in list(self._sessions.items()):
@@ -211,7 +206,6 @@ class SessionStore:
                     session.lock.release()
         if expired:
             self._count(expired=expired)
-        return expired
 
     def _enforce_budget(self) -> None:
         total = sum(session.nbytes for session in self._sessions.values())
