@@ -8,8 +8,9 @@ from typing import Any
 
 from llava.errors import InvalidRequest
 
-# Names accepted from the wire, with the aliases that HF/TGI-style clients send.
-_ALIASES = {"max_tokens": "max_new_tokens"}
+# Names accepted from the wire, with the aliases that OpenAI/TGI-style clients and the seeds'
+# client (``max_new_token``) send.
+_ALIASES = {"max_tokens": "max_new_tokens", "max_new_token": "max_new_tokens"}
 _KNOWN = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed"}
 
 
@@ -42,11 +43,12 @@ class GenerationParams:
             values = {}
         if not isinstance(values, dict):
             raise InvalidRequest("'parameters' must be a JSON object")
-        values = {_ALIASES.get(k, k): v for k, v in values.items()}
+        values = _canonical_names(values)
         unknown = sorted(set(values) - _KNOWN)
         if unknown:
             raise InvalidRequest(
-                f"unknown generation parameters: {', '.join(unknown)}; known: {sorted(_KNOWN)}"
+                f"unknown generation parameters: {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(_KNOWN))} (aliases: {', '.join(sorted(_ALIASES))})"
             )
         max_new = _int(values, "max_new_tokens", default_max_new_tokens, 1, max_new_tokens_limit)
         return cls(
@@ -58,6 +60,16 @@ class GenerationParams:
             do_sample=_bool(values, "do_sample", False),
             seed=_int(values, "seed", None, 0, 2**63 - 1),
         )
+
+
+def _canonical_names(values: dict[str, Any]) -> dict[str, Any]:
+    canonical: dict[str, Any] = {}
+    for name, value in values.items():
+        key = _ALIASES.get(name, name)
+        if key in canonical:
+            raise InvalidRequest(f"'{name}' and another spelling of '{key}' were both sent")
+        canonical[key] = value
+    return canonical
 
 
 def _int(values: dict, name: str, default, low: int, high: int):
