@@ -77,14 +77,20 @@ class Engine:
         return time.perf_counter() - start
 
     # -- the three operations --------------------------------------------------------------
-    def open(self, image: Image.Image | None = None) -> Opened:
-        """Run the vision tower once and prefill the opening; the session starts hot."""
+    def open(self, image: Image.Image | None = None, session_id: str | None = None) -> Opened:
+        """Run the vision tower once and prefill the opening; the session starts hot.
+
+        ``session_id``: the caller's own id for the session (checked before any model work);
+        by default the server picks an unguessable one.
+        """
+        if session_id is not None:
+            self.store.check_id_free(session_id)
         opening = self.loaded.prompt.opening(with_image=image is not None)
         ids, features = self._encode_opening(opening, image)
         cache = DynamicCache()
         if ids:
             prefill(self.loaded.model, ids, cache, features)
-        session = Session(new_session_id(), ids, features, cache, last_used=0.0)
+        session = Session(session_id or new_session_id(), ids, features, cache, last_used=0.0)
         self.store.add(session)
         return Opened(
             session_id=session.session_id,
@@ -152,8 +158,9 @@ class Engine:
             expires_at=self.store.expires_at(session),  # leaving the turn restarted the idle clock
         )
 
-    def close(self, session_id: str) -> None:
-        self.store.close(session_id)
+    def close(self, session_id: str) -> str | None:
+        """None if this closed it; else why it was already gone (see SessionStore.close)."""
+        return self.store.close(session_id)
 
     def stats(self) -> StoreStats:
         return self.store.stats()

@@ -24,6 +24,12 @@ class InvalidRequest(EngineError):
     code = "INVALID_REQUEST"
 
 
+class SessionIdInUse(InvalidRequest):
+    """An open asked for an id that is live, or was used recently (closed, expired, evicted)."""
+
+    code = "SESSION_ID_IN_USE"
+
+
 class SessionNotFound(EngineError):
     """The session id is unknown, closed or expired (``code`` says which)."""
 

@@ -1,7 +1,8 @@
 """SessionStore: session id → Session, with idle TTL, explicit close and a byte budget.
 
 Policy, in bytes counted from the sessions' tensors:
-- A session idle for longer than ``ttl_s`` expires: it is removed at the next store call.
+- A session idle for longer than ``ttl_s`` expires: it is removed at the next store call, or
+  by ``reap()`` (which ``llava.reaper.Reaper`` calls on a timer, so an idle server frees it).
 - When the sessions together hold more than ``budget_bytes``, the least recently used
   sessions are demoted one tier (KV cache dropped, features + tokens kept) until the total
   fits; only if every idle session is already demoted are the least recently used removed
@@ -9,7 +10,11 @@ Policy, in bytes counted from the sessions' tensors:
 - A session whose own features and tokens exceed the budget is refused (NoCapacity).
 - Turns of one session are serialized by its lock; sessions in a turn are never demoted,
   evicted or expired underneath it.
-Removed ids are remembered (bounded) so a caller learns *why* an id is no longer valid.
+Removed ids are remembered (bounded) so a caller learns *why* an id is no longer valid, a
+second close of it is acknowledged, and an open cannot take it again.
+
+Totals per tier are kept as sessions change (a session's tensors change only inside ``use``,
+by demotion, or by removal), so no request walks every session (docs/design.md §Sessions).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
-from llava.errors import NoCapacity, SessionNotFound
+from llava.errors import NoCapacity, SessionIdInUse, SessionNotFound
 from llava.session import Session, Tier
 
 _REMEMBERED_IDS = 10_000
@@ -67,6 +72,37 @@ class StoreStats:
         return sum(self.bytes_by_tier.values())
 
 
+class _Ledger:
+    """Sessions and bytes per tier, updated one session at a time."""
+
+    def __init__(self):
+        self.sessions = {tier: 0 for tier in Tier}
+        self.bytes = {tier: 0 for tier in Tier}
+        self._entries: dict[str, tuple[Tier, dict[Tier, int]]] = {}  # id → last measurement
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def measure(self, session: Session) -> None:
+        """(Re)count a session after its tensors changed."""
+        self.forget(session.session_id)
+        entry = (session.tier, session.bytes_by_tier())
+        self._entries[session.session_id] = entry
+        self._apply(entry, +1)
+
+    def forget(self, session_id: str) -> None:
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self._apply(entry, -1)
+
+    def _apply(self, entry: tuple[Tier, dict[Tier, int]], sign: int) -> None:
+        tier, by_tier = entry
+        self.sessions[tier] += sign
+        for each, nbytes in by_tier.items():
+            self.bytes[each] += sign * nbytes
+
+
 def new_session_id() -> str:
     """Unguessable (uuid4 is 122 random bits from os.urandom), matches SageMaker's pattern."""
     return str(uuid.uuid4())
@@ -86,6 +122,7 @@ class SessionStore:
         self._wall_offset = lambda: wall_clock() - clock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._gone: OrderedDict[str, str] = OrderedDict()  # id → reason code
+        self._ledger = _Ledger()
         self._counters = StoreCounters()
         self._lock = threading.RLock()
 
@@ -99,10 +136,26 @@ class SessionStore:
             )
         with self._lock:
             self._sweep()
+            self.check_id_free(session.session_id)
             session.last_used = self._clock()
             self._sessions[session.session_id] = session
+            self._ledger.measure(session)
             self._count(opened=1)
             self._enforce_budget()
+
+    def check_id_free(self, session_id: str) -> None:
+        """Refuse an id a client asked for if it is live or still remembered."""
+        with self._lock:
+            if session_id in self._sessions:
+                raise SessionIdInUse(
+                    f"session id {session_id} belongs to a live session; choose another id, "
+                    "or leave out 'extSessionID' to get a server-chosen one"
+                )
+            if session_id in self._gone:
+                raise SessionIdInUse(
+                    f"session id {session_id} was used recently ({self._gone[session_id]}); "
+                    "ids are never reused: choose another id, or leave out 'extSessionID'"
+                )
 
     @contextmanager
     def use(self, session_id: str) -> Iterator[Session]:
@@ -121,18 +174,29 @@ class SessionStore:
                     session.last_used = self._clock()
                     if self._sessions.get(session_id) is session:
                         self._sessions.move_to_end(session_id)
+                        self._ledger.measure(session)  # the turn grew (or demoted) it
         with self._lock:
             self._enforce_budget()
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str) -> str | None:
+        """Close a live session (returns None), or acknowledge one that is already gone
+        (returns why: CLOSED, EXPIRED or EVICTED). Only a never-seen id is an error."""
         with self._lock:
             self._sweep()
-            session = self._lookup(session_id)
+            session = self._sessions.get(session_id)
+            if session is None:
+                return self._why_gone(session_id)
         with session.lock, self._lock:  # waits for a turn in flight to finish
             if self._sessions.get(session_id) is not session:
-                raise self._not_found(session_id)
+                return self._why_gone(session_id)
             self._remove(session_id, CLOSED)
             self._count(closed=1)
+            return None
+
+    def reap(self) -> int:
+        """Remove the expired idle sessions now; return how many went."""
+        with self._lock:
+            return self._sweep()
 
     def record_turn(self, new_tokens: int, cached_tokens: int) -> None:
         with self._lock:
@@ -146,13 +210,10 @@ class SessionStore:
     def stats(self) -> StoreStats:
         with self._lock:
             self._sweep()
-            by_tier = {tier: 0 for tier in Tier}
-            bytes_by_tier = {tier: 0 for tier in Tier}
-            for session in self._sessions.values():
-                by_tier[session.tier] += 1
-                for tier, nbytes in session.bytes_by_tier().items():
-                    bytes_by_tier[tier] += nbytes
-            return StoreStats(by_tier, bytes_by_tier, self.budget_bytes, self._counters)
+            ledger = self._ledger
+            return StoreStats(
+                dict(ledger.sessions), dict(ledger.bytes), self.budget_bytes, self._counters
+            )
 
     def __contains__(self, session_id: str) -> bool:
         with self._lock:
@@ -175,6 +236,11 @@ class SessionStore:
             raise self._not_found(session_id)
         return session
 
+    def _why_gone(self, session_id: str) -> str:
+        if session_id not in self._gone:
+            raise self._not_found(session_id)
+        return self._gone[session_id]
+
     def _not_found(self, session_id: str) -> SessionNotFound:
         code = self._gone.get(session_id, SessionNotFound.code)
         message = _MESSAGES[code].format(id=session_id, ttl=self.ttl_s)
@@ -182,6 +248,7 @@ class SessionStore:
 
     def _remove(self, session_id: str, reason: str) -> None:
         session = self._sessions.pop(session_id)
+        self._ledger.forget(session_id)
         session.demote()
         session.image_features = None
         self._gone[session_id] = reason
@@ -192,7 +259,7 @@ class SessionStore:
         """True if no turn holds the session; the caller must release it if so."""
         return session.lock.acquire(blocking=False)
 
-    def _sweep(self) -> None:
+    def _sweep(self) -> int:
         deadline = self._clock() - self.ttl_s
         expired = 0
         for session_id, session in list(self._sessions.items()):
@@ -206,12 +273,14 @@ class SessionStore:
                     session.lock.release()
         if expired:
             self._count(expired=expired)
+        return expired
 
     def _enforce_budget(self) -> None:
-        total = sum(session.nbytes for session in self._sessions.values())
         for demote in (True, False):  # first drop KV caches, then whole sessions
+            if self._ledger.total_bytes <= self.budget_bytes:
+                return
             for session_id, session in list(self._sessions.items()):
-                if total <= self.budget_bytes:
+                if self._ledger.total_bytes <= self.budget_bytes:
                     return
                 if demote and session.tier is not Tier.KV:
                     continue
@@ -219,10 +288,10 @@ class SessionStore:
                     continue
                 try:
                     if demote:
-                        total -= session.demote()
+                        session.demote()
+                        self._ledger.measure(session)
                         self._count(demoted=1)
                     else:
-                        total -= session.nbytes
                         self._remove(session_id, EVICTED)
                         self._count(evicted=1)
                 finally:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from llava.errors import NoCapacity, SessionNotFound
+from llava.errors import NoCapacity, SessionIdInUse, SessionNotFound
 from llava.session import Session, Tier
 from llava.store import SessionStore, new_session_id
 
@@ -23,13 +23,13 @@ class FakeClock:
         return self.now
 
 
-def make_session(tokens=100, feature_rows=10) -> Session:
+def make_session(tokens=100, feature_rows=10, session_id=None) -> Session:
     cache = DynamicCache()
     for layer in range(2):
         kv = torch.zeros(1, 4, tokens, 8)
         cache.update(kv, kv.clone(), layer)
     return Session(
-        session_id=new_session_id(),
+        session_id=session_id or new_session_id(),
         token_ids=list(range(tokens)),
         image_features=torch.zeros(feature_rows, 8),
         cache=cache,
@@ -87,10 +87,9 @@ def test_close_frees_and_later_use_says_closed(clock):
     store.add(session)
     store.close(session.session_id)
     assert store.stats().total_bytes == 0 and store.stats().counters.closed == 1
-    for operation in (store.close, lambda sid: store.use(sid).__enter__()):
-        with pytest.raises(SessionNotFound) as err:
-            operation(session.session_id)
-        assert err.value.code == "SESSION_CLOSED"
+    with pytest.raises(SessionNotFound) as err, store.use(session.session_id):
+        pass
+    assert err.value.code == "SESSION_CLOSED"
 
 
 def test_unknown_id_is_not_found(clock):
@@ -130,8 +129,8 @@ def test_budget_evicts_only_when_everything_is_demoted(clock):
     assert sessions[0].session_id not in store
     assert all(s.tier is Tier.FEATURES for s in sessions[1:])
     assert store.stats().counters.evicted == 1
-    with pytest.raises(SessionNotFound) as err:
-        store.close(sessions[0].session_id)
+    with pytest.raises(SessionNotFound) as err, store.use(sessions[0].session_id):
+        pass
     assert err.value.code == "SESSION_EVICTED"
 
 
@@ -170,3 +169,116 @@ def test_turns_of_one_session_are_serialized(clock):
     for thread in threads:
         thread.join(timeout=30)
     assert len(overlap) == 200 and not any(overlap)
+
+
+def test_a_client_chosen_id_is_adopted(clock):
+    store = SessionStore(budget_bytes=10**9, clock=clock)
+    store.add(make_session(session_id="conversation-1a2b3c4d"))
+    with store.use("conversation-1a2b3c4d") as session:
+        assert session.session_id == "conversation-1a2b3c4d"
+
+
+def gone_three_ways(clock) -> tuple[SessionStore, dict[str, Session]]:
+    """A store (budget: two demoted sessions) whose sessions went every way there is."""
+    warm_bytes = make_session().bytes_by_tier()[Tier.FEATURES]
+    store = SessionStore(budget_bytes=2 * warm_bytes, ttl_s=60, clock=clock)
+    went = {reason: make_session() for reason in ("expired", "closed", "evicted", "live")}
+    store.add(went["expired"])
+    clock.now += 61  # the next call sweeps it
+    store.add(went["closed"])
+    assert store.close(went["closed"].session_id) is None  # closed now
+    for session in (went["evicted"], make_session(), went["live"]):
+        store.add(session)  # the third is over budget even demoted: the first goes
+    assert [s.session_id in store for s in went.values()] == [False, False, False, True]
+    return store, went
+
+
+def test_a_live_or_remembered_id_is_never_taken_twice(clock):
+    store, went = gone_three_ways(clock)
+    opened = store.stats().counters.opened
+    for taken in went.values():
+        with pytest.raises(SessionIdInUse) as err:
+            store.add(make_session(session_id=taken.session_id))
+        assert err.value.code == "SESSION_ID_IN_USE" and taken.session_id in err.value.message
+    assert store.stats().counters.opened == opened
+
+
+def test_close_is_idempotent_for_every_way_a_session_goes(clock):
+    store, went = gone_three_ways(clock)
+    for reason in ("expired", "closed", "evicted"):
+        assert store.close(went[reason].session_id) == f"SESSION_{reason.upper()}"
+    assert store.stats().counters.closed == 1  # only the real close counts
+    with pytest.raises(SessionNotFound) as err:
+        store.close("never-seen-here")
+    assert err.value.code == "SESSION_NOT_FOUND"
+
+
+def walk(store) -> tuple[dict, dict]:
+    """Sessions and bytes per tier counted the slow way, from every session's tensors."""
+    sessions, nbytes = {t: 0 for t in Tier}, {t: 0 for t in Tier}
+    for session in store._sessions.values():
+        sessions[session.tier] += 1
+        for tier, n in session.bytes_by_tier().items():
+            nbytes[tier] += n
+    return sessions, nbytes
+
+
+def test_kept_totals_match_a_full_walk_after_every_change(clock):
+    store = SessionStore(budget_bytes=int(3.5 * make_session().nbytes), ttl_s=60, clock=clock)
+
+    def check():
+        stats = store.stats()
+        assert (stats.sessions_by_tier, stats.bytes_by_tier) == walk(store)
+
+    sessions = [make_session() for _ in range(3)]
+    for session in sessions:
+        store.add(session)
+        check()
+    with store.use(sessions[0].session_id) as session:  # a turn grows the cache and history
+        more = torch.zeros(1, 4, 50, 8)
+        for layer in range(2):
+            session.cache.update(more, more.clone(), layer)
+        session.token_ids += list(range(50))
+    check()
+    with store.use(sessions[1].session_id) as session:  # a failed turn demotes its own session
+        session.demote()
+    check()
+    store.add(make_session())  # over budget: the least recently used is demoted
+    check()
+    assert store.stats().counters.demoted == 1
+    store.close(sessions[0].session_id)
+    check()
+    clock.now += 61
+    assert store.reap() == 3
+    check()
+    assert store.stats().total_bytes == 0 and len(store) == 0
+
+
+def test_reap_frees_expired_sessions_and_keeps_fresh_ones(clock):
+    store = SessionStore(budget_bytes=10**9, ttl_s=60, clock=clock)
+    old, fresh = make_session(), make_session()
+    store.add(old)
+    clock.now += 30
+    store.add(fresh)
+    clock.now += 31
+    assert store.reap() == 1
+    assert old.session_id not in store and fresh.session_id in store
+    assert store.stats().counters.expired == 1
+
+
+def test_a_request_measures_only_its_own_session(clock, monkeypatch):
+    """Per-request cost must not grow with the sessions held: a turn and the stats after it
+    measure the one session that changed, not all of them."""
+    store = SessionStore(budget_bytes=10**9, clock=clock)
+    sessions = [make_session(tokens=4) for _ in range(200)]
+    for session in sessions:
+        store.add(session)
+    measured = []
+    original = Session.bytes_by_tier
+    monkeypatch.setattr(
+        Session, "bytes_by_tier", lambda self: measured.append(self) or original(self)
+    )
+    with store.use(sessions[7].session_id):
+        pass
+    store.stats()
+    assert measured == [sessions[7]]
