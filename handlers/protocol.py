@@ -1,7 +1,8 @@
 """The wire contract (DESIGN.md §2): request bodies and headers in, typed requests out.
 
 Knows nothing of TorchServe, so it is tested (and fuzzed) on its own. Accepts the seeds'
-client shapes too: ``extSessionID`` in the body, ``sampling_params`` for ``parameters``.
+client shapes too: ``extSessionID`` in the body (on an open: the id the client wants for its
+new session), ``sampling_params`` for ``parameters``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _MAX_SESSION_ID = 256
 @dataclass(frozen=True)
 class OpenSession:
     image: dict | None  # a source object for llava.intake.load_image, or None: text-only
+    session_id: str | None = None  # the client's own id (extSessionID), or None: we pick one
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class CloseSession:
 
 
 Request = OpenSession | AskSession | CloseSession
+
+# Keys that only mean something when asking: an open that carries them would drop them.
+_ASK_KEYS = ("inputs", "parameters", "sampling_params", "stream")
 
 
 def header(headers: Mapping[str, Any], name: str) -> str | None:
@@ -68,25 +73,20 @@ def parse_body(body: Any) -> dict:
 
 def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     payload = parse_body(body)
-    session_id = _session_id(payload, headers)
-    # Without a requestType, the session header says it: none/NEW_SESSION opens, an id asks.
-    kind = payload.get(
-        "requestType", NEW_SESSION if session_id in (None, NEW_SESSION) else "SESSION"
-    )
+    from_header = _checked_id(header(headers, SESSION_HEADER), f"the {SESSION_HEADER} header")
+    from_body = _checked_id(payload.get("extSessionID"), "'extSessionID'")
+    # Without a requestType, a session id says "ask"; no id at all says "open".
+    no_id = from_header is None and from_body is None
+    kind = payload.get("requestType", NEW_SESSION if no_id else "SESSION")
     if kind == NEW_SESSION:
-        if session_id not in (None, NEW_SESSION):
-            raise InvalidRequest(
-                f"requestType NEW_SESSION opens a session: send {SESSION_HEADER}: NEW_SESSION "
-                "or no session id, not an existing id"
-            )
-        image = payload.get("image")
-        return OpenSession(image=None if image is None else parse_image_source(image))
+        return _open(payload, from_header, from_body)
     if kind not in ("SESSION", "CLOSE_SESSION"):
         raise InvalidRequest(
             f"unknown requestType {kind!r}; use NEW_SESSION, SESSION or CLOSE_SESSION",
             code="UNKNOWN_REQUEST_TYPE",
         )
-    if session_id in (None, NEW_SESSION):
+    session_id = _one_session_id(from_header, from_body)
+    if session_id is None:
         raise InvalidRequest(
             f"requestType {kind} needs the session id in the {SESSION_HEADER} header",
             code="MISSING_SESSION_ID",
@@ -101,33 +101,66 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     return AskSession(session_id, payload["inputs"], _parameters(payload), stream)
 
 
+def _open(payload: dict, from_header: str | None, from_body: str | None) -> OpenSession:
+    """An open names no existing session; ``extSessionID`` is the id the client wants."""
+    if from_header is not None:
+        raise InvalidRequest(
+            f"requestType NEW_SESSION opens a session: send {SESSION_HEADER}: NEW_SESSION "
+            "or no session id, not an existing id (your own id for the new session goes in "
+            "'extSessionID')"
+        )
+    asked = [key for key in _ASK_KEYS if key in payload]
+    if asked:
+        raise InvalidRequest(
+            f"an open answers no question, so it would drop {', '.join(asked)}: send "
+            '{"requestType": "NEW_SESSION"} (with "image" and "extSessionID" if you like), then '
+            f'{{"requestType": "SESSION", "inputs": ...}} with the session id in {SESSION_HEADER}',
+            code="INPUTS_WITHOUT_SESSION",
+        )
+    image = payload.get("image")
+    return OpenSession(None if image is None else parse_image_source(image), from_body)
+
+
 def _parameters(payload: dict) -> dict | None:
     if "parameters" in payload and "sampling_params" in payload:
         raise InvalidRequest("send 'parameters' or its alias 'sampling_params', not both")
     return payload.get("parameters", payload.get("sampling_params"))
 
 
-def _session_id(payload: dict, headers: Mapping[str, Any]) -> str | None:
-    from_header = header(headers, SESSION_HEADER)
-    from_body = payload.get("extSessionID")
-    if from_header is not None:
-        from_header = from_header.strip()
-    if from_body is not None and not isinstance(from_body, str):
-        raise InvalidRequest("'extSessionID' must be a string", code="INVALID_SESSION_ID")
+def _one_session_id(from_header: str | None, from_body: str | None) -> str | None:
     if from_header and from_body and from_header != from_body:
         raise InvalidRequest(
             f"the {SESSION_HEADER} header and 'extSessionID' name different sessions",
             code="INVALID_SESSION_ID",
         )
-    session_id = from_header or from_body or None
-    if session_id is None or session_id == NEW_SESSION:
-        return session_id
-    if len(session_id) > _MAX_SESSION_ID or not _SESSION_ID.match(session_id):
+    return from_header or from_body
+
+
+def _checked_id(value: Any, where: str) -> str | None:
+    """A well-formed session id, or None for "no session" (absent, empty or NEW_SESSION)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{where} must be a string", code="INVALID_SESSION_ID")
+    value = value.strip()
+    if value in ("", NEW_SESSION):
+        return None
+    if ";" in value and _valid_id(bare := value.split(";", 1)[0].strip()):
         raise InvalidRequest(
-            "a session id is 1-256 letters, digits and single or repeated inner hyphens",
+            f"{where} carries the '; Expires=...' suffix of the open reply's header: drop "
+            f"the suffix and send the id alone ({bare!r})",
             code="INVALID_SESSION_ID",
         )
-    return session_id
+    if not _valid_id(value):
+        raise InvalidRequest(
+            f"{where}: a session id is 1-256 letters, digits and single or repeated inner hyphens",
+            code="INVALID_SESSION_ID",
+        )
+    return value
+
+
+def _valid_id(value: str) -> bool:
+    return len(value) <= _MAX_SESSION_ID and _SESSION_ID.match(value) is not None
 
 
 def session_header_value(session_id: str, expires_at: datetime) -> str:

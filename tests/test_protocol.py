@@ -79,6 +79,48 @@ def test_without_request_type_the_header_decides():
     assert isinstance(ask, AskSession) and ask.session_id == SID
 
 
+@pytest.mark.parametrize("header", [{}, {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION"}])
+def test_an_open_adopts_the_clients_own_id(header):
+    """The seeds' client opens with its own id in 'extSessionID' and uses it from then on."""
+    body = {"requestType": "NEW_SESSION", "extSessionID": "conversation-1a2b3c4d"}
+    assert parse_request(body, header) == OpenSession(None, "conversation-1a2b3c4d")
+
+
+@pytest.mark.parametrize(
+    "body, headers",
+    [
+        ({"inputs": "What shape is it?"}, {}),
+        ({"requestType": "NEW_SESSION", "inputs": "What shape is it?"}, {}),
+        ({"requestType": "NEW_SESSION", "parameters": {"max_new_tokens": 3}}, {}),
+        (
+            {"requestType": "NEW_SESSION", "inputs": "Hi", "extSessionID": SID},
+            {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION"},
+        ),
+    ],
+)
+def test_an_open_that_carries_a_question_is_refused_with_what_to_send(body, headers):
+    """An open answers nothing: rather than drop the question, say how to ask it."""
+    with pytest.raises(InvalidRequest) as err:
+        parse_request(body, headers)
+    assert err.value.code == "INPUTS_WITHOUT_SESSION"
+    assert '"requestType": "SESSION"' in err.value.message
+
+
+@pytest.mark.parametrize("where", ["header", "body"])
+def test_an_id_sent_back_with_its_expires_suffix_is_told_to_drop_it(where):
+    value = f"{SID}; Expires=2026-11-22T21:05:07Z"
+    body = {"requestType": "SESSION", "inputs": "Hi"}
+    headers = {}
+    if where == "header":
+        headers["X-Amzn-SageMaker-Session-Id"] = value
+    else:
+        body["extSessionID"] = value
+    with pytest.raises(InvalidRequest) as err:
+        parse_request(body, headers)
+    assert err.value.code == "INVALID_SESSION_ID"
+    assert "drop the suffix" in err.value.message and repr(SID) in err.value.message
+
+
 @pytest.mark.parametrize(
     "body, headers, code",
     [
@@ -120,6 +162,8 @@ def test_without_request_type_the_header_decides():
             "INVALID_SESSION_ID",
         ),
         ({"requestType": "SESSION", "inputs": "Hi", "extSessionID": 5}, {}, "INVALID_SESSION_ID"),
+        ({"requestType": "NEW_SESSION", "extSessionID": "a--"}, {}, "INVALID_SESSION_ID"),
+        ({"requestType": "NEW_SESSION", "extSessionID": "x" * 257}, {}, "INVALID_SESSION_ID"),
     ],
 )
 def test_malformed_requests_get_a_clear_code(body, headers, code):
