@@ -27,6 +27,7 @@ from handlers.protocol import (
 from llava.config import EngineConfig, env_overrides, merge_settings
 from llava.engine import Answer, Engine
 from llava.intake import IntakePolicy, load_image
+from llava.reaper import Reaper
 
 logger = logging.getLogger(__name__)
 JSON = "application/json"
@@ -38,6 +39,8 @@ class LlavaService:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
+        # Expired sessions are freed, and the gauges follow, with no request arriving.
+        self.reaper = Reaper(engine.store, on_reap=lambda _count: self.publish()).start()
 
     @classmethod
     def from_context(cls, context) -> LlavaService:
@@ -62,8 +65,8 @@ class LlavaService:
 
     def serve(self, idx: int, body, context) -> str:
         reply = _Reply(context, idx)
-        reply.content_type(JSON)
         try:
+            reply.content_type(JSON)
             request = parse_request(body, context.get_all_request_header(idx) or {})
             if isinstance(request, OpenSession):
                 payload = self._open(request, reply)
@@ -73,17 +76,22 @@ class LlavaService:
                 payload = self._ask(request, reply)
         except Exception as exc:  # every failure becomes a JSON error; the worker lives on
             status, payload = error_response(exc)
-            if reply.streaming:  # headers are gone: report in the stream's last line
-                return json.dumps(payload) + "\n"
-            reply.status(status)
-            reply.content_type(JSON)
-        finally:
-            self.metrics.store(self.engine.stats())
+            if not reply.streaming:  # once streaming, headers are gone: the last line says it
+                reply.status(status)
+                reply.content_type(JSON)
+        self.publish()
         return json.dumps(payload) + ("\n" if reply.streaming else "")
+
+    def publish(self) -> None:
+        """Gauges from the store's totals; never fails the request (or reaper) calling it."""
+        try:
+            self.metrics.store(self.engine.stats())
+        except Exception:
+            logger.exception("publishing session metrics failed")
 
     def _open(self, request: OpenSession, reply: _Reply) -> dict:
         image = None if request.image is None else load_image(request.image, self.policy)
-        opened = self.engine.open(image)
+        opened = self.engine.open(image, request.session_id)
         value = session_header_value(opened.session_id, opened.expires_at)
         reply.header(SESSION_HEADER, value)
         reply.header(NEW_SESSION_HEADER, value)
@@ -95,9 +103,11 @@ class LlavaService:
         }
 
     def _close(self, request: CloseSession, reply: _Reply) -> dict:
-        self.engine.close(request.session_id)
+        """Idempotent: a session already closed, expired or evicted is acknowledged too, so
+        the router drops its binding; ``alreadyGone`` says why it was gone (or null)."""
+        already_gone = self.engine.close(request.session_id)
         reply.header(CLOSED_SESSION_HEADER, request.session_id)
-        return {"sessionId": request.session_id, "closed": True}
+        return {"sessionId": request.session_id, "closed": True, "alreadyGone": already_gone}
 
     def _ask(self, request: AskSession, reply: _Reply) -> dict:
         on_token = None
