@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+import uuid
 import zipfile
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -151,6 +152,19 @@ def test_interleaved_sessions_answer_about_their_own_image(server, images):
         ),
         ({"requestType": "SESSION", "inputs": "Hi"}, "0000-unknown-0000", "SESSION_NOT_FOUND"),
         ({"requestType": "CLOSE_SESSION"}, "0000-unknown-0000", "SESSION_NOT_FOUND"),
+        ({"inputs": "What shape is it?"}, None, "INPUTS_WITHOUT_SESSION"),
+        ({"requestType": "NEW_SESSION", "inputs": "Hi"}, "NEW_SESSION", "INPUTS_WITHOUT_SESSION"),
+        (
+            {"requestType": "SESSION", "inputs": "Hi", "parameters": {"max_length": 3}},
+            "SID",
+            "INVALID_REQUEST",
+        ),
+        (
+            {"requestType": "SESSION", "inputs": "Hi"},
+            "SID; Expires=2030-01-01T00:00:00Z",
+            "INVALID_SESSION_ID",
+        ),
+        ({"requestType": "NEW_SESSION", "extSessionID": "SID"}, "NEW_SESSION", "SESSION_ID_IN_USE"),
         (
             {"requestType": "NEW_SESSION", "image": {"url": "file:///etc/passwd"}},
             None,
@@ -162,7 +176,9 @@ def test_bad_requests_get_400_class_json_and_harm_no_one(server, images, body, s
     url, truth = images["a"]
     bystander = open_session(server, url)
     worker = server.worker_pid()
-    target = bystander if session == "SID" else session
+    target = None if session is None else session.replace("SID", bystander)
+    if isinstance(body, dict) and body.get("extSessionID") == "SID":
+        body = {**body, "extSessionID": bystander}  # an open that asks for a live id
     reply = invoke(server, body, target)
     assert 400 <= reply.status_code < 500, reply.text
     assert reply.json()["error"]["code"] == code and reply.json()["error"]["message"]
@@ -231,12 +247,17 @@ def test_session_metrics_reach_the_metrics_endpoint(server, images):
         assert name in text, name
 
 
-def sessions_open(instance) -> float:
-    """Sessions held by the worker, summed over tiers, from the Prometheus metrics text."""
+def metric_total(instance, prefix: str, missing_ok: bool = False) -> float:
+    """A metric summed over its label sets (tiers), from the Prometheus metrics text."""
     text = requests.get(f"http://127.0.0.1:{instance.metrics_port}/metrics", timeout=10).text
-    lines = [line for line in text.splitlines() if line.startswith("SessionsOpen{")]
-    assert lines, "no SessionsOpen gauge yet"
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    assert lines or missing_ok, f"no {prefix} metric yet"
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def sessions_open(instance) -> float:
+    """Sessions held by the worker, summed over tiers."""
+    return metric_total(instance, "SessionsOpen{")
 
 
 @pytest.mark.parametrize(
@@ -311,3 +332,120 @@ def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images):
     assert ask(short_ttl_server, fresh, "What shape is it?").json()["generation"]["text"] == (
         truth.shape
     )
+
+
+# -- sessions and protocol (issue 12) ---------------------------------------------------------
+
+
+def test_the_seeds_client_opens_with_its_own_id_and_uses_it(server, images):
+    url, truth = images["a"]
+    own_id = f"conversation-{uuid.uuid4().hex[:8]}"
+    opened = invoke(
+        server,
+        {"requestType": "NEW_SESSION", "extSessionID": own_id, "image": {"url": url}},
+        "NEW_SESSION",
+    )
+    assert opened.status_code == 200, opened.text
+    assert opened.json()["sessionId"] == own_id
+    expected = f"{own_id}; Expires={opened.json()['expiresAt']}"
+    assert opened.headers[SESSION] == opened.headers["X-Amzn-SageMaker-New-Session-Id"] == expected
+    answer = invoke(
+        server,
+        {
+            "requestType": "SESSION",
+            "inputs": "What shape is it?",
+            "sampling_params": {"max_new_token": 64},
+        },
+        own_id,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["generation"]["text"] == truth.shape
+    assert invoke(server, {"requestType": "CLOSE_SESSION"}, own_id).status_code == 200
+    again = invoke(server, {"requestType": "NEW_SESSION", "extSessionID": own_id}, "NEW_SESSION")
+    assert again.status_code == 400 and again.json()["error"]["code"] == "SESSION_ID_IN_USE"
+
+
+def test_close_is_idempotent_and_always_names_the_closed_id(server):
+    session_id = invoke(server, {"requestType": "NEW_SESSION"}).json()["sessionId"]
+    for already_gone in (None, "SESSION_CLOSED"):
+        closed = invoke(server, {"requestType": "CLOSE_SESSION"}, session_id)
+        assert closed.status_code == 200, closed.text
+        assert closed.headers["X-Amzn-SageMaker-Closed-Session-Id"] == session_id
+        assert closed.json()["alreadyGone"] == already_gone
+
+
+def latency_histogram(instance) -> dict[str, float]:
+    """TurnLatencySeconds summed over label sets: {"count", "sum", "le=<bound>", ...}."""
+    text = requests.get(f"http://127.0.0.1:{instance.metrics_port}/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("TurnLatencySeconds_"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        if name.startswith("TurnLatencySeconds_bucket"):
+            key = "le=" + name.split('le="', 1)[1].split('"', 1)[0]
+        else:
+            key = name.split("{", 1)[0].removeprefix("TurnLatencySeconds_")
+        totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def test_turn_latency_lands_in_a_finite_bucket_in_seconds(server, images):
+    """TorchServe's histograms have the default buckets 0.005 ... 10: a turn in milliseconds
+    (here over 10) would land in +Inf only."""
+    session_id = open_session(server, images["a"][0])
+    params = {"max_new_tokens": 120, "min_new_tokens": 120}
+    ask(server, session_id, "What shape is it?")  # the histogram exists from here on
+    before = latency_histogram(server)
+    reply = ask(server, session_id, "What shape is it?", parameters=params).json()
+    after = latency_histogram(server)
+    seconds = reply["timing"]["totalMs"] / 1000
+    assert seconds > 0.010  # in milliseconds this turn would be past the last finite bucket
+    assert after["count"] - before["count"] == 1
+    assert after["sum"] - before["sum"] == pytest.approx(seconds, abs=0.001)
+    assert after["le=10.0"] - before["le=10.0"] == 1
+
+
+def test_the_reaper_frees_expired_sessions_with_no_request(short_ttl_server, images):
+    """TTL 2 s, so the reaper sweeps every second; nothing is sent to the model meanwhile."""
+    session_id = open_session(short_ttl_server, images["a"][0])
+    assert sessions_open(short_ttl_server) >= 1
+    expired_before = metric_total(short_ttl_server, "SessionsExpired{", missing_ok=True)
+    wait_until(
+        lambda: (
+            sessions_open(short_ttl_server) == 0
+            and metric_total(short_ttl_server, "SessionBytes{") == 0
+        ),
+        timeout=15,
+        what="the gauges to show no session, with no request arriving",
+    )
+    assert metric_total(short_ttl_server, "SessionsExpired{") > expired_before
+    closed = invoke(short_ttl_server, {"requestType": "CLOSE_SESSION"}, session_id)
+    assert closed.status_code == 200 and closed.json()["alreadyGone"] == "SESSION_EXPIRED"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"data": b""},
+        {"data": b"null", "headers": {"Content-Type": "application/json"}},
+        {"data": b"hello", "headers": {"Content-Type": "text/plain"}},
+        {"data": {"requestType": "NEW_SESSION"}},  # form-encoded
+        {"files": {"requestType": (None, "NEW_SESSION")}},  # multipart
+    ],
+    ids=["empty", "null", "text", "form", "multipart"],
+)
+def test_whatever_reaches_the_handler_is_answered_in_json(server, kwargs):
+    reply = requests.post(server.inference_url + "/invocations", timeout=60, **kwargs)
+    assert reply.status_code == 400
+    assert reply.headers["Content-Type"].split(";")[0] == "application/json"
+    assert set(reply.json()["error"]) == {"code", "message"}
+
+
+def test_a_body_over_the_frontends_limit_is_refused_by_torchserve_itself(server):
+    """Documented in the README: TorchServe's frontend answers this one, with an empty body,
+    before the handler sees it (max_request_size, 32 MiB in config.properties)."""
+    reply = requests.post(
+        server.inference_url + "/invocations", data=b" " * (32 * 1024 * 1024 + 1), timeout=60
+    )
+    assert (reply.status_code, reply.text) == (413, "")

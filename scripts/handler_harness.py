@@ -1,0 +1,55 @@
+"""The real handler called in-process, with TorchServe's own ``Context`` and metrics cache but
+no frontend: what the handler itself answers and costs, for benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+
+import ts
+from ts.context import Context, RequestProcessor
+from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+
+from handlers.llava_handler import LlavaService
+from handlers.metrics import SessionMetrics
+from llava.engine import Engine
+from llava.intake import IntakePolicy
+
+# The metrics file a TorchServe 0.12 worker is started with.
+TS_METRICS_YAML = os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml")
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: dict[str, str]
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+class InProcessWorker:
+    """One worker's LlavaService; ``invoke`` is one request of a batch of one."""
+
+    def __init__(self, engine: Engine, intake: dict | None = None):
+        metrics = MetricsCacheYamlImpl(config_file_path=TS_METRICS_YAML)
+        metrics.initialize_cache()
+        self.context = Context("llava", ".", {}, 1, None, ts.__version__, metrics=metrics)
+        self.service = LlavaService(
+            engine, IntakePolicy.from_mapping(intake or {}), SessionMetrics(metrics)
+        )
+
+    def invoke(self, body, headers: dict[str, str] | None = None) -> Reply:
+        """``body`` as TorchServe hands it over: parsed JSON (a JSON content type) or bytes."""
+        self.context.request_processor = [RequestProcessor(headers or {})]
+        self.context.request_ids = {0: str(uuid.uuid4())}
+        text = self.service.serve(0, body, self.context)
+        status, _phrase = self.context.get_response_status(0)
+        return Reply(status, self.context.get_response_headers(0), text)
+
+    def stop(self) -> None:
+        self.service.reaper.stop()

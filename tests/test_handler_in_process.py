@@ -1,0 +1,56 @@
+"""The handler's own answers, called in-process with TorchServe's Context (no frontend):
+everything the handler can reach answers ``{"error": {"code", "message"}}``."""
+
+from __future__ import annotations
+
+import pytest
+
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.store import SessionStore
+from scripts.handler_harness import InProcessWorker
+
+SESSION = "X-Amzn-SageMaker-Session-Id"
+
+
+@pytest.fixture
+def worker(demo_model):
+    store = SessionStore(budget_bytes=1 << 30)
+    worker = InProcessWorker(Engine(demo_model, store, EngineConfig(model_dir="-")))
+    yield worker
+    worker.stop()
+
+
+def open_session(worker) -> str:
+    reply = worker.invoke({"requestType": "NEW_SESSION"})
+    assert reply.status == 200, reply.text
+    return reply.json()["sessionId"]
+
+
+def test_a_failure_to_publish_metrics_does_not_fail_the_request(worker, monkeypatch):
+    def broken(stats):
+        raise OSError("stdout closed")
+
+    monkeypatch.setattr(worker.service.metrics, "store", broken)
+    session_id = open_session(worker)
+    reply = worker.invoke({"requestType": "SESSION", "inputs": "Hi"}, {SESSION: session_id})
+    assert reply.status == 200 and reply.json()["generation"]["finished"] in (True, False)
+
+
+def test_a_bug_in_the_engine_is_a_json_500(worker, monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("internal detail")
+
+    monkeypatch.setattr(worker.service.engine, "ask", broken)
+    session_id = open_session(worker)
+    reply = worker.invoke({"requestType": "SESSION", "inputs": "Hi"}, {SESSION: session_id})
+    assert reply.status == 500
+    assert reply.json()["error"]["code"] == "INTERNAL_ERROR"
+    assert reply.headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize("body", [None, b"", b"null", b"\xff", {"requestType": ["x"]}, [1]])
+def test_any_body_gets_a_json_answer(worker, body):
+    reply = worker.invoke(body)
+    assert reply.status == 400
+    assert set(reply.json()["error"]) == {"code", "message"}
