@@ -33,10 +33,12 @@ test: setup lint mar
 demo: mar
 	$(PY) scripts/demo.py
 
-# Per-turn latency by cache mode (realistic-shape model), then TorchServe's overhead per turn.
+# Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn, and
+# the handler's per-request cost against the number of idle sessions held.
 bench: mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
+	$(PY) scripts/bench_sessions.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup

@@ -261,10 +261,13 @@ class SessionStore:
 
     def _sweep(self) -> int:
         deadline = self._clock() - self.ttl_s
-        expired = 0
-        for session_id, session in list(self._sessions.items()):
+        candidates = []
+        for session_id, session in self._sessions.items():  # least recently used first
             if session.last_used > deadline:
-                break  # ordered by last use: the rest are younger
+                break  # the rest are younger: a sweep costs what it removes, not what is held
+            candidates.append((session_id, session))
+        expired = 0
+        for session_id, session in candidates:
             if self._idle(session):
                 try:
                     self._remove(session_id, EXPIRED)

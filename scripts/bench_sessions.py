@@ -1,0 +1,97 @@
+"""Per-request cost vs sessions held: the handler's time per ask with 10 ... 5,000 idle sessions.
+
+The real handler runs in-process (TorchServe's Context, no frontend) on the demo model; the
+idle sessions each hold a 32-layer KV cache (LLaVA-1.5-7B's layer count; tiny tensors, since
+only the bookkeeping is measured). Columns: the handler's time per ask, the store's own
+bookkeeping per request (a turn's enter/leave plus the stats the handler publishes), and, for
+contrast, one walk of every session's tensors, which is what each request used to pay (twice:
+once for the stats, once for the budget check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from llava.config import EngineConfig  # noqa: E402
+from llava.engine import Engine  # noqa: E402
+from llava.session import Session  # noqa: E402
+from llava.store import new_session_id  # noqa: E402
+from scripts.handler_harness import InProcessWorker  # noqa: E402
+
+SESSION = "X-Amzn-SageMaker-Session-Id"
+LAYERS = 32
+HELD = (10, 100, 1000, 5000)
+ASK = {"requestType": "SESSION", "inputs": "What shape is it?", "parameters": {"max_new_tokens": 1}}
+
+
+def idle_session(kv: torch.Tensor) -> Session:
+    cache = DynamicCache()
+    for layer in range(LAYERS):
+        cache.update(kv, kv, layer)
+    return Session(new_session_id(), [0], None, cache, last_used=0.0)
+
+
+def median_ms(action, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        action()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def full_walk(store) -> int:
+    return sum(sum(s.bytes_by_tier().values()) for s in list(store._sessions.values()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    engine = Engine.from_config(EngineConfig(model_dir=str(REPO / "models" / "demo-llava")))
+    engine.warm_up()
+    worker = InProcessWorker(engine)
+    kv = torch.zeros(1, 1, 1, 8)
+    print(
+        f"Per-request cost vs idle sessions held (each a {LAYERS}-layer KV cache), "
+        f"median of {args.turns} asks (ms):"
+    )
+    print(
+        f"{'sessions':>9} {'handler per ask':>16} {'store bookkeeping':>18} {'one full walk':>14}"
+    )
+    try:
+        for held in HELD:
+            while len(engine.store) < held:
+                engine.store.add(idle_session(kv))
+            opened = worker.invoke({"requestType": "NEW_SESSION"}).json()["sessionId"]
+
+            def ask(session_id=opened):
+                worker.invoke(ASK, {SESSION: session_id})
+
+            def bookkeeping(session_id=opened):
+                with engine.store.use(session_id):
+                    pass
+                engine.stats()
+
+            handler = median_ms(ask, args.turns)
+            store = median_ms(bookkeeping, args.turns)
+            walk = median_ms(lambda: full_walk(engine.store), 5)
+            worker.invoke({"requestType": "CLOSE_SESSION"}, {SESSION: opened})
+            print(f"{held:>9,} {handler:>16.2f} {store:>18.3f} {walk:>14.2f}")
+    finally:
+        worker.stop()
+
+
+if __name__ == "__main__":
+    main()
