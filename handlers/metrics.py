@@ -6,7 +6,8 @@ the endpoint's totals match the store's. A worker emits a metric by printing a l
 TorchServe's frontend parses as it arrives, so the reaper's thread can publish too.
 
 Latencies are in seconds: TorchServe 0.12 builds every Prometheus histogram with the client
-library's default buckets (0.005 ... 10), which fit seconds; milliseconds would land in +Inf.
+library's default buckets (0.005 ... 10), which fit seconds; milliseconds would land in +Inf
+(docs/design.md §Latency metrics in seconds).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Frees expired sessions on a timer, so an idle server does not hold their memory.
 
 Without it, expiry happens only at the next store call: a server nobody calls keeps every
-expired session's KV cache, and gauges published per request stay stale forever.
+expired session's KV cache, and gauges published per request stay stale forever
+(docs/design.md §Expiry without traffic (the reaper)).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Removed ids are remembered (bounded) so a caller learns *why* an id is no longer
 second close of it is acknowledged, and an open cannot take it again.
 
 Totals per tier are kept as sessions change (a session's tensors change only inside ``use``,
-by demotion, or by removal), so no request walks every session (docs/design.md §Sessions).
+by demotion, or by removal), so no request walks every session (docs/design.md
+§Per-request cost and kept totals).
 """
 
 from __future__ import annotations
