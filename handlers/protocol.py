@@ -145,7 +145,8 @@ def _checked_id(value: Any, where: str) -> str | None:
     value = value.strip()
     if value in ("", NEW_SESSION):
         return None
-    if ";" in value and _valid_id(bare := value.split(";", 1)[0].strip()):
+    bare, _, suffix = (part.strip() for part in value.partition(";"))
+    if suffix.lower().startswith("expires=") and _valid_id(bare):
         raise InvalidRequest(
             f"{where} carries the '; Expires=...' suffix of the open reply's header: drop "
             f"the suffix and send the id alone ({bare!r})",

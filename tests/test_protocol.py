@@ -163,6 +163,11 @@ def test_an_id_sent_back_with_its_expires_suffix_is_told_to_drop_it(where):
         ),
         ({"requestType": "SESSION", "inputs": "Hi", "extSessionID": 5}, {}, "INVALID_SESSION_ID"),
         ({"requestType": "NEW_SESSION", "extSessionID": "a--"}, {}, "INVALID_SESSION_ID"),
+        (
+            {"requestType": "CLOSE_SESSION"},
+            {"X-Amzn-SageMaker-Session-Id": "a;b"},
+            "INVALID_SESSION_ID",
+        ),
         ({"requestType": "NEW_SESSION", "extSessionID": "x" * 257}, {}, "INVALID_SESSION_ID"),
     ],
 )
