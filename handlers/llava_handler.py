@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 
 from ts.handler_utils.utils import send_intermediate_predict_response
 
@@ -83,11 +84,8 @@ class LlavaService:
         return json.dumps(payload) + ("\n" if reply.streaming else "")
 
     def publish(self) -> None:
-        """Gauges from the store's totals; never fails the request (or reaper) calling it."""
-        try:
-            self.metrics.store(self.engine.stats())
-        except Exception:
-            logger.exception("publishing session metrics failed")
+        """Gauges from the store's totals (after every request, and from the reaper)."""
+        _metrics_never_fail(lambda: self.metrics.store(self.engine.stats()))
 
     def _open(self, request: OpenSession, reply: _Reply) -> dict:
         image = None if request.image is None else load_image(request.image, self.policy)
@@ -115,7 +113,7 @@ class LlavaService:
             reply.content_type(JSON_LINES)
             on_token = reply.send_token
         answer = self.engine.ask(request.session_id, request.question, request.parameters, on_token)
-        self.metrics.turn(answer)
+        _metrics_never_fail(lambda: self.metrics.turn(answer))
         return _answer_payload(answer)
 
 
@@ -142,6 +140,14 @@ class _Reply:
             [chunk], self.context.request_ids, "Intermediate response", 200, self.context
         )
         self.streaming = True
+
+
+def _metrics_never_fail(emit: Callable[[], None]) -> None:
+    """A request (or the reaper) never fails because its metrics could not be published."""
+    try:
+        emit()
+    except Exception:
+        logger.exception("publishing session metrics failed")
 
 
 def _iso(moment) -> str:

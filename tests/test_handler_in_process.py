@@ -28,10 +28,11 @@ def open_session(worker) -> str:
 
 
 def test_a_failure_to_publish_metrics_does_not_fail_the_request(worker, monkeypatch):
-    def broken(stats):
+    def broken(*args):
         raise OSError("stdout closed")
 
     monkeypatch.setattr(worker.service.metrics, "store", broken)
+    monkeypatch.setattr(worker.service.metrics, "turn", broken)
     session_id = open_session(worker)
     reply = worker.invoke({"requestType": "SESSION", "inputs": "Hi"}, {SESSION: session_id})
     assert reply.status == 200 and reply.json()["generation"]["finished"] in (True, False)
