@@ -3,12 +3,16 @@ everything the handler can reach answers ``{"error": {"code", "message"}}``."""
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.store import SessionStore
+from llava.synthetic import held_out_samples
 from scripts.handler_harness import InProcessWorker
+from tests.intake_servers import image_bytes
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 
@@ -55,3 +59,16 @@ def test_any_body_gets_a_json_answer(worker, body):
     reply = worker.invoke(body)
     assert reply.status == 400
     assert set(reply.json()["error"]) == {"code", "message"}
+
+
+def test_an_id_in_use_is_refused_before_any_model_work(worker, monkeypatch):
+    b64 = base64.b64encode(image_bytes(held_out_samples(1)[0].image)).decode()
+    body = {"requestType": "NEW_SESSION", "extSessionID": "conversation-1a2b3c4d"}
+    first = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
+    assert first.status == 200 and first.json()["sessionId"] == "conversation-1a2b3c4d"
+    assert first.headers[SESSION].startswith("conversation-1a2b3c4d; Expires=")
+    vision_runs = []
+    monkeypatch.setattr(worker.service.engine, "_image_features", vision_runs.append)
+    again = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
+    assert again.status == 400 and again.json()["error"]["code"] == "SESSION_ID_IN_USE"
+    assert vision_runs == []
