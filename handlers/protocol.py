@@ -47,7 +47,8 @@ class CloseSession:
 Request = OpenSession | AskSession | CloseSession
 
 # Keys that only mean something when asking: an open that carries them would drop them.
-_ASK_KEYS = ("inputs", "parameters", "sampling_params", "stream")
+# ("stream" is let through: an open's reply is one small object either way.)
+_ASK_KEYS = ("inputs", "parameters", "sampling_params")
 
 
 def header(headers: Mapping[str, Any], name: str) -> str | None:
