@@ -10,13 +10,17 @@ SERVE_FLAGS ?=
 
 .PHONY: setup test lint demo bench build-demo-model mar serve stop clean
 
-# torch==2.13.0 goes in first: it is the local CPU wheel; anything that depends on torch
-# installed before it would pull a multi-GB CUDA build.
+# CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
+# fresh checkout (or after `rm -rf .venv`) installs that build of torch 2.13.0 instead.
+TORCH_INDEX ?=
+
+# torch==2.13.0 goes in first: it is the local CPU wheel (or TORCH_INDEX's build); anything
+# that depends on torch installed before it would pull a multi-GB CUDA build.
 $(VENV)/.installed: setup.cfg pyproject.toml
 	command -v java >/dev/null || (apt-get update && apt-get install -y openjdk-17-jre-headless)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[serve,dev,notebook]'
 	touch $@
 
