@@ -200,8 +200,11 @@ class TorchServeInstance:
 
     def _env(self) -> dict[str, str]:
         tmp, logs = str(self.tmp_dir), str(self.log_dir)
+        # Workers inherit this environment, and a PYTHONPATH comes before the extracted .mar
+        # on their sys.path: a checkout's llava/ would be served instead of the archive's.
+        inherited = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         return {
-            **os.environ,
+            **inherited,
             "TMPDIR": tmp,
             "TEMP": tmp,
             "TMP": tmp,
