@@ -39,7 +39,8 @@ def resolve_device(name: str) -> torch.device:
 def assigned_device(setting: str, gpu_id: int | str | None) -> str:
     """The device a TorchServe worker loads on: with ``auto`` and working CUDA, the GPU that
     TorchServe assigned to this worker (``gpu_id``), not whichever GPU is current. TorchServe's
-    round-robin starts at GPU 1 unless ``deviceIds`` pins it (docs/design.md §TorchServe 0.12).
+    round-robin starts at GPU 1 unless ``deviceIds`` pins it
+    (docs/design.md §TorchServe 0.12 facts).
     """
     if setting == "auto" and gpu_id is not None and torch.cuda.is_available():
         return f"cuda:{int(gpu_id)}"
