@@ -44,7 +44,7 @@ DEMO_CHOICE = {"model_dir": str(ROOT / "models" / "demo-llava"), "weights": "ins
 
 
 class NotACheckpoint(ValueError):
-    """The model dir is missing, empty, or has no config.json."""
+    """The model dir is missing, empty, or lacks config.json or safetensors weights."""
 
 
 def check_model_dir(model_dir: Path) -> None:
@@ -55,6 +55,8 @@ def check_model_dir(model_dir: Path) -> None:
         raise NotACheckpoint(f"model dir is empty: {model_dir}")
     if not (model_dir / "config.json").is_file():
         raise NotACheckpoint(f"no config.json in {model_dir}: not a llava-hf checkpoint dir")
+    if not any(model_dir.glob("*.safetensors")):
+        raise NotACheckpoint(f"no *.safetensors weights in {model_dir}")
 
 
 def choice_file(export_path: str | Path, model_name: str) -> Path:

@@ -29,6 +29,7 @@ def archived_model_dir(mar: Path) -> str:
 def checkpoint(path: Path) -> Path:
     path.mkdir()
     (path / "config.json").write_text("{}")
+    (path / "model.safetensors").touch()
     return path
 
 
@@ -38,12 +39,19 @@ def bad_model_dir(tmp_path: Path, kind: str) -> Path:
         path.mkdir()
     if kind == "no config.json":
         (path / "model.safetensors").touch()
+    if kind == "no weights":
+        (path / "config.json").write_text("{}")
     return path
 
 
 @pytest.mark.parametrize(
     ("kind", "says"),
-    [("missing", "not found"), ("empty", "is empty"), ("no config.json", "no config.json")],
+    [
+        ("missing", "not found"),
+        ("empty", "is empty"),
+        ("no config.json", "no config.json"),
+        ("no weights", "no *.safetensors"),
+    ],
 )
 @pytest.mark.parametrize("weights", ["inside", "reference"])
 def test_a_bad_model_dir_is_refused_at_once(tmp_path, kind, says, weights):
