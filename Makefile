@@ -2,21 +2,29 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-MODEL_DIR ?= models/demo-llava
+DEMO_MODEL_DIR := models/demo-llava
 # make mar MAR_WEIGHTS=reference MODEL_DIR=/abs/llava-1.5-7b-hf: the .mar points at the weights.
-MAR_WEIGHTS ?= inside
+# Both stick: later `make mar` / `make serve` archive the same model until told otherwise
+# (model-store/llava.source.json). Unset and never given: the demo model, weights inside.
+MODEL_DIR ?=
+MAR_WEIGHTS ?=
+MAR_CHOICE = $(if $(MODEL_DIR),--model-dir $(MODEL_DIR)) $(if $(MAR_WEIGHTS),--weights $(MAR_WEIGHTS))
 # e.g. SERVE_FLAGS="--instance-dir .run/b --inference-port 8090 --management-port 8091 ..."
 SERVE_FLAGS ?=
 
-.PHONY: setup test lint demo bench build-demo-model mar serve stop clean
+.PHONY: setup test lint demo bench build-demo-model mar demo-mar serve stop clean
 
-# torch==2.13.0 goes in first: it is the local CPU wheel; anything that depends on torch
-# installed before it would pull a multi-GB CUDA build.
+# CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
+# fresh checkout (or after `rm -rf .venv`) installs that build of torch 2.13.0 instead.
+TORCH_INDEX ?=
+
+# torch==2.13.0 goes in first: it is the local CPU wheel (or TORCH_INDEX's build); anything
+# that depends on torch installed before it would pull a multi-GB CUDA build.
 $(VENV)/.installed: setup.cfg pyproject.toml
 	command -v java >/dev/null || (apt-get update && apt-get install -y openjdk-17-jre-headless)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[serve,dev,notebook]'
 	touch $@
 
@@ -25,30 +33,37 @@ setup: $(VENV)/.installed
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# `mar` first: the TorchServe tests serve the very .mar that `make mar` builds.
-test: setup lint mar
+# The TorchServe tests serve the demo model's .mar (model-store/llava.mar).
+test: setup lint demo-mar
 	$(PY) -m pytest -q
 
 # Archives, serves on loopback, chats about a demo image, closes, stops (see scripts/demo.py).
-demo: mar
+demo: demo-mar
 	$(PY) scripts/demo.py
 
 # Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn, and
 # the handler's per-request cost against the number of idle sessions held.
-bench: mar
+bench: demo-mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
 	$(PY) scripts/bench_sessions.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup
-	$(PY) scripts/build_demo_model.py --out $(MODEL_DIR)
+	$(PY) scripts/build_demo_model.py --out $(or $(MODEL_DIR),$(DEMO_MODEL_DIR))
 
-# Always rebuilt (seconds for the demo model): a stale .mar is worse than a rebuild.
+# Always rebuilt (seconds for the demo model or a reference): a stale .mar is worse than a
+# rebuild. Refuses a missing or empty MODEL_DIR at once.
 mar: setup
-	$(PY) scripts/make_mar.py --model-dir $(MODEL_DIR) --weights $(MAR_WEIGHTS)
+	$(PY) scripts/make_mar.py --remember $(MAR_CHOICE)
 
-# Returns once the worker is READY, or fails with the tail of TorchServe's logs (.run/).
+# The demo model's .mar for demo, test and bench; the model `make mar` remembers stays as it is.
+demo-mar: setup
+	$(PY) scripts/make_mar.py --model-dir $(DEMO_MODEL_DIR) --weights inside
+
+# Serves the model `make mar` was last given (rebuilt, so the code is fresh). Returns once the
+# worker is READY, or fails with the tail of TorchServe's logs (.run/); a bad setting fails at
+# once with its one line.
 serve: mar
 	$(PY) scripts/torchserve_ctl.py start $(SERVE_FLAGS)
 

@@ -1,11 +1,13 @@
 """TorchServe entry point: ``handle(data, context)``, a thin adapter over ``llava.Engine``.
 
 One request at a time (``batchSize: 1``, one worker per model copy): sessions live in this
-worker's memory, so the worker must see every turn of its sessions (DESIGN.md §4).
+worker's memory, so the worker must see every turn of its sessions
+(docs/design.md §Architecture).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,9 +27,10 @@ from handlers.protocol import (
     parse_request,
     session_header_value,
 )
-from llava.config import EngineConfig, env_overrides, merge_settings
+from llava.config import load_config
 from llava.engine import Answer, Engine
 from llava.intake import IntakePolicy, load_image
+from llava.model import assigned_device
 from llava.reaper import Reaper
 
 logger = logging.getLogger(__name__)
@@ -46,23 +49,22 @@ class LlavaService:
     @classmethod
     def from_context(cls, context) -> LlavaService:
         archived = (context.model_yaml_config or {}).get("handler", {})
-        settings = merge_settings(archived, env_overrides(os.environ))
-        model_dir = settings.pop("model_dir", ".")
-        # A relative model_dir names a folder inside the extracted .mar (weights inside).
-        model_dir = os.path.join(context.system_properties["model_dir"], model_dir)
-        config = EngineConfig.from_mapping({**settings, "model_dir": model_dir})
+        # Every setting is checked before anything loads: a bad one fails the start with one
+        # line (SettingsError) that scripts/torchserve_ctl.py shows at once.
+        config = load_config(archived, os.environ, context.system_properties["model_dir"])
+        gpu_id = context.system_properties.get("gpu_id")
+        config = dataclasses.replace(config, device=assigned_device(config.device, gpu_id))
+        policy = IntakePolicy.from_mapping(config.intake)
         engine = Engine.from_config(config)
         warm_s = engine.warm_up()
         logger.info(
             "loaded %s on %s (%s); warm-up %.2f s",
-            model_dir,
+            config.model_dir,
             engine.loaded.device,
             engine.loaded.dtype,
             warm_s,
         )
-        return cls(
-            engine, IntakePolicy.from_mapping(config.intake), SessionMetrics(context.metrics)
-        )
+        return cls(engine, policy, SessionMetrics(context.metrics))
 
     def serve(self, idx: int, body, context) -> str:
         reply = _Reply(context, idx)

@@ -1,15 +1,37 @@
-"""Engine configuration: one frozen dataclass, built from a mapping (model-config.yaml, env)."""
+"""Engine configuration: one frozen dataclass, checked when it is built.
+
+Settings come from ``handler:`` in model-config.yaml (archived into the .mar) and from
+``LLAVA_<FIELD>`` environment variables, which win. Every value is checked (type and range)
+when the config is built, so a bad one fails the worker's start with one line that names the
+variable to fix (:class:`SettingsError`), instead of surfacing on the first request.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1024**3
 ENV_PREFIX = "LLAVA_"
+ARCHIVED = "model-config.yaml handler."  # how an archived setting is named in messages
+logger = logging.getLogger(__name__)
+
+
+class SettingsError(ValueError):
+    """A bad setting. ``str()`` is one line naming where it came from and what it must be."""
+
+    def __init__(self, setting: str, problem: str, source: str | None = None):
+        self.setting, self.problem, self.source = setting, problem, source or setting
+        super().__init__(f"bad setting {self.source}: {problem}")
+
+    def from_source(self, source: str) -> SettingsError:
+        return SettingsError(self.setting, self.problem, source)
 
 
 @dataclass(frozen=True)
@@ -22,7 +44,7 @@ class EngineConfig:
     """
 
     model_dir: str
-    device: str = "auto"  # "auto" → cuda if available, else cpu
+    device: str = "auto"  # "auto" → the GPU TorchServe assigned if CUDA works, else cpu
     dtype: str = "auto"  # "auto" → float16 on cuda (bfloat16 where supported), float32 on cpu
     attn_implementation: str = "sdpa"
     session_ttl_s: float = 20 * 60
@@ -34,14 +56,78 @@ class EngineConfig:
     max_question_chars: int = 8000
     intake: dict[str, Any] = field(default_factory=dict)  # llava.intake.IntakePolicy keys
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            check, must_be = CHECKS[f.name]
+            value = getattr(self, f.name)
+            if not check(value):
+                raise SettingsError(f.name, f"{value!r} is not {must_be}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise SettingsError(
+                "default_max_new_tokens",
+                f"{self.default_max_new_tokens} is over max_new_tokens_limit "
+                f"({self.max_new_tokens_limit})",
+            )
+        from llava.intake.policy import IntakePolicy  # the policy owns its keys and ranges
+
+        try:
+            IntakePolicy.from_mapping(self.intake)
+        except (TypeError, ValueError) as e:
+            raise SettingsError("intake", str(e)) from None
+
     @classmethod
-    def from_mapping(cls, values: dict[str, Any]) -> EngineConfig:
+    def from_mapping(cls, values: Mapping[str, Any]) -> EngineConfig:
         """Build from a mapping; unknown keys are an error, not silently ignored."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown engine config keys: {', '.join(unknown)}")
+            raise SettingsError(unknown[0], f"unknown setting; known: {', '.join(sorted(known))}")
         return cls(**values)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return _int(value) or isinstance(value, float)
+
+
+def _positive_int(value: Any) -> bool:
+    return _int(value) and value > 0
+
+
+def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
+    return (lambda value: value in choices), f"one of {', '.join(choices)}"
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+# field → (check, what the value must be): one entry per EngineConfig field.
+CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model_dir": (lambda v: isinstance(v, str) and bool(v), "a directory path"),
+    "device": (
+        lambda v: isinstance(v, str) and bool(_DEVICE.fullmatch(v)),
+        "auto, cpu, cuda or cuda:<index>",
+    ),
+    "dtype": _one_of("auto", "float32", "float16", "bfloat16"),
+    "attn_implementation": _one_of("sdpa", "eager", "flash_attention_2"),
+    "session_ttl_s": (lambda v: _number(v) and v > 0, "a number of seconds > 0"),
+    "session_budget_bytes": (
+        lambda v: v is None or _positive_int(v),
+        "null (sized from the device) or an integer > 0",
+    ),
+    "session_budget_fraction": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "cpu_session_budget_bytes": (_positive_int, "an integer > 0"),
+    "default_max_new_tokens": (_positive_int, "an integer > 0"),
+    "max_new_tokens_limit": (_positive_int, "an integer > 0"),
+    "max_question_chars": (_positive_int, "an integer > 0"),
+    "intake": (lambda v: isinstance(v, Mapping), "a JSON object of intake settings"),
+}
+
+
+def env_name(setting: str) -> str:
+    return ENV_PREFIX + setting.upper()
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -52,7 +138,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """
     overrides: dict[str, Any] = {}
     for f in dataclasses.fields(EngineConfig):
-        raw = environ.get(ENV_PREFIX + f.name.upper())
+        raw = environ.get(env_name(f.name))
         if raw is None:
             continue
         try:
@@ -62,9 +148,42 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return overrides
 
 
+def unknown_env_names(environ: Mapping[str, str]) -> list[str]:
+    """``LLAVA_*`` variables that name no setting (a misspelt one would be silently ignored)."""
+    known = {env_name(f.name) for f in dataclasses.fields(EngineConfig)}
+    return sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known)
+
+
 def merge_settings(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``overrides`` win; the ``intake`` mapping is merged key by key, not replaced."""
     merged = {**base, **overrides}
-    if "intake" in base and "intake" in overrides:
-        merged["intake"] = {**base["intake"], **overrides["intake"]}
+    intakes = base.get("intake"), overrides.get("intake")
+    if all(isinstance(i, Mapping) for i in intakes):
+        merged["intake"] = {**intakes[0], **intakes[1]}
     return merged
+
+
+def load_config(
+    archived: Mapping[str, Any], environ: Mapping[str, str], base_dir: str
+) -> EngineConfig:
+    """The config a worker serves with: archived settings, overridden by the environment.
+
+    A relative ``model_dir`` names a folder under ``base_dir`` (inside the extracted .mar).
+    Raises :class:`SettingsError` naming the variable (``LLAVA_SESSION_TTL_S``) or the
+    archived key (``model-config.yaml handler.session_ttl_s``) that holds the bad value.
+    Unknown ``LLAVA_*`` names are logged as warnings.
+    """
+    for name in unknown_env_names(environ):
+        logger.warning("ignoring %s: no such setting (settings are LLAVA_<FIELD>)", name)
+    if not isinstance(archived, Mapping):
+        raise SettingsError("handler", f"must be a mapping, got {archived!r}", ARCHIVED[:-1])
+    overrides = env_overrides(environ)
+    settings = merge_settings(archived, overrides)
+    model_dir = settings.get("model_dir", ".")
+    if isinstance(model_dir, str):
+        settings["model_dir"] = os.path.join(base_dir, model_dir)
+    try:
+        return EngineConfig.from_mapping(settings)
+    except SettingsError as e:
+        source = env_name(e.setting) if e.setting in overrides else ARCHIVED + e.setting
+        raise e.from_source(source) from None

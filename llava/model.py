@@ -36,6 +36,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def assigned_device(setting: str, gpu_id: int | str | None) -> str:
+    """The device a TorchServe worker loads on: with ``auto`` and working CUDA, the GPU that
+    TorchServe assigned to this worker (``gpu_id``), not whichever GPU is current. TorchServe's
+    round-robin starts at GPU 1 unless ``deviceIds`` pins it
+    (docs/design.md §TorchServe 0.12 facts).
+    """
+    if setting == "auto" and gpu_id is not None and torch.cuda.is_available():
+        return f"cuda:{int(gpu_id)}"
+    return setting
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """fp32 on CPU (half precision is slow there); bf16/fp16 on CUDA unless told otherwise."""
     if name != "auto":
@@ -59,10 +70,17 @@ def load_model(
 ) -> LoadedModel:
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if torch_device.type == "cuda":  # kernels and allocations without a device go there too
+        torch.cuda.set_device(torch_device)
     processor = AutoProcessor.from_pretrained(model_dir)
+    # device_map: each tensor is read from safetensors straight onto the device; a 7B
+    # checkpoint never sits in CPU RAM first (needs accelerate).
     model = LlavaForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch_dtype, attn_implementation=attn_implementation
-    ).to(torch_device)
+        model_dir,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        device_map={"": torch_device},
+    )
     model.eval()
     prompt = ChatPrompt(processor)
     prompt.check_append_only()

@@ -17,11 +17,17 @@ deleting what is there: each run gets its own TMPDIR so parallel builds don't cl
 ``--weights reference`` copies nothing: handler.model_dir is the absolute path given, which
 must exist where TorchServe runs (operators' 14 GB checkpoints stay out of the archive).
 An existing .mar of the same name is overwritten.
+
+``--remember`` (what ``make mar`` passes) records the model dir and weights mode next to the
+archive (``<name>.source.json``); a later build given neither, as ``make serve``'s, archives the
+same model again, so the operator's choice is what gets served. The demo, tests and
+benchmarks name the demo model explicitly and leave the record alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -34,6 +40,35 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("llava", "handlers")
 WEIGHTS_SUBDIR = "weights"
+DEMO_CHOICE = {"model_dir": str(ROOT / "models" / "demo-llava"), "weights": "inside"}
+
+
+class NotACheckpoint(ValueError):
+    """The model dir is missing, empty, or lacks config.json or safetensors weights."""
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """Refuse at once what cannot be a checkpoint, rather than a worker failing to load it."""
+    if not model_dir.is_dir():
+        raise NotACheckpoint(f"model dir not found: {model_dir}")
+    if not any(model_dir.iterdir()):
+        raise NotACheckpoint(f"model dir is empty: {model_dir}")
+    if not (model_dir / "config.json").is_file():
+        raise NotACheckpoint(f"no config.json in {model_dir}: not a llava-hf checkpoint dir")
+    if not any(model_dir.glob("*.safetensors")):
+        raise NotACheckpoint(f"no *.safetensors weights in {model_dir}")
+
+
+def choice_file(export_path: str | Path, model_name: str) -> Path:
+    return Path(export_path) / f"{model_name}.source.json"
+
+
+def remembered_choice(export_path: str | Path, model_name: str) -> dict[str, str]:
+    """The model dir and weights mode last archived with ``--remember``, else the demo's."""
+    try:
+        return {**DEMO_CHOICE, **json.loads(choice_file(export_path, model_name).read_text())}
+    except FileNotFoundError:
+        return dict(DEMO_CHOICE)
 
 
 def build_mar(
@@ -47,8 +82,7 @@ def build_mar(
 ) -> Path:
     """Archive and return the path of ``<export_path>/<model_name>.mar``."""
     model_dir, handler = Path(model_dir), Path(handler)
-    if weights == "inside" and not model_dir.is_dir():
-        raise FileNotFoundError(f"model dir not found: {model_dir}")
+    check_model_dir(model_dir)
     if not handler.is_file():
         raise FileNotFoundError(f"handler not found: {handler}")
 
@@ -99,25 +133,36 @@ def build_mar(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", default=ROOT / "models" / "demo-llava", type=Path)
-    parser.add_argument("--weights", choices=["inside", "reference"], default="inside")
+    parser.add_argument("--model-dir", type=Path, help="default: the remembered one, else demo")
+    parser.add_argument("--weights", choices=["inside", "reference"], help="default: likewise")
+    parser.add_argument("--remember", action="store_true", help="default for later builds")
     parser.add_argument("--handler", default=ROOT / "handlers" / "llava_handler.py", type=Path)
     parser.add_argument("--config", default=ROOT / "model-config.yaml", type=Path)
     parser.add_argument("--export-path", default=ROOT / "model-store", type=Path)
     parser.add_argument("--model-name", default="llava")
     args = parser.parse_args(argv)
+    choice = remembered_choice(args.export_path, args.model_name)
+    if args.model_dir is not None:
+        choice["model_dir"] = str(args.model_dir.absolute())
+    if args.weights is not None:
+        choice["weights"] = args.weights
     try:
         mar = build_mar(
-            args.model_dir,
-            args.weights,
+            choice["model_dir"],
+            choice["weights"],
             handler=args.handler,
             config=args.config,
             export_path=args.export_path,
             model_name=args.model_name,
         )
+    except NotACheckpoint as e:
+        sys.exit(f"make mar: {e}; MODEL_DIR=<a llava-hf checkpoint dir> chooses another")
     except FileNotFoundError as e:
         parser.error(str(e))
-    print(f"{mar}: {mar.stat().st_size / 1e6:.2f} MB (weights {args.weights})")
+    if args.remember:
+        choice_file(args.export_path, args.model_name).write_text(json.dumps(choice) + "\n")
+    size_mb = mar.stat().st_size / 1e6
+    print(f"{mar}: {size_mb:.2f} MB from {choice['model_dir']} (weights {choice['weights']})")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import argparse
 import collections
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -35,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHSERVE = Path(sys.executable).parent / "torchserve"
 JAVA_MAIN = "org.pytorch.serve.ModelServer"
 UNIX_PATH_MAX = 107  # worker sockets are $TMPDIR/.ts.sock.<port>; longer paths fail to bind
+# The one line a worker logs when a setting is bad (llava.config.SettingsError): TorchServe
+# would restart that worker forever, so the first one ends the start.
+SETTINGS_ERROR = re.compile(r"SettingsError: (.+)$", re.MULTILINE)
 
 
 def free_ports(n: int) -> list[int]:
@@ -130,9 +134,9 @@ class TorchServeInstance:
     def wait_ready(self, timeout: float = 180.0, max_restarts: int = 3) -> int:
         """Poll the management API until a worker of ours is READY; return its pid.
 
-        Fails with the logs' tail when Java has exited, when the worker has been restarted
-        ``max_restarts`` times (TorchServe would retry a crashing handler forever), or after
-        ``timeout`` seconds.
+        Fails with the logs' tail when Java has exited, when a worker refused a setting (at
+        once, the setting's line first), when the worker has been restarted ``max_restarts``
+        times (TorchServe would retry a crashing handler forever), or after ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
         worker_pids: set[int] = set()
@@ -143,6 +147,8 @@ class TorchServeInstance:
             workers = self.workers()
             if (pid := _ready_pid(workers, java)) is not None:
                 return pid
+            if bad_setting := SETTINGS_ERROR.search(_tail(self.log_dir / "model_log.log", 200)):
+                raise self._failure(bad_setting.group(1))
             worker_pids.update(w["pid"] for w in workers if w["pid"] > 0)
             if len(worker_pids) > max_restarts:
                 raise self._failure(f"worker crash loop: {len(worker_pids)} worker processes")
@@ -194,8 +200,11 @@ class TorchServeInstance:
 
     def _env(self) -> dict[str, str]:
         tmp, logs = str(self.tmp_dir), str(self.log_dir)
+        # Workers inherit this environment, and a PYTHONPATH comes before the extracted .mar
+        # on their sys.path: a checkout's llava/ would be served instead of the archive's.
+        inherited = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         return {
-            **os.environ,
+            **inherited,
             "TMPDIR": tmp,
             "TEMP": tmp,
             "TMP": tmp,

@@ -7,6 +7,7 @@ import torch
 
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava.model import assigned_device
 from llava.session import Tier
 from tests.conftest import DEMO_MODEL_DIR
 from tests.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
@@ -35,3 +36,13 @@ def test_sessions_on_cuda_answer_and_reuse_their_cache(sample, dtype):
             assert list(answer.token_ids) == expected, question
     engine.close(session_id)
     assert engine.stats().total_bytes == 0
+
+
+def test_worker_loads_on_its_assigned_gpu_and_sizes_its_budget_there():
+    gpu_id = torch.cuda.device_count() - 1  # the last GPU: not merely the current one
+    device = torch.device(assigned_device("auto", gpu_id))
+    engine = Engine.from_config(EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=str(device)))
+    assert device == torch.device("cuda", gpu_id)
+    assert {p.device for p in engine.loaded.model.parameters()} == {device}
+    _free, total = torch.cuda.mem_get_info(device)
+    assert 0 < engine.store.budget_bytes <= total * engine.config.session_budget_fraction

@@ -44,6 +44,7 @@ def store(tmp_path_factory):
     model = root / "tiny-model"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    (model / "model.safetensors").touch()  # make_mar refuses a dir without weights
     (model / "__pycache__").mkdir()  # must not reach the archive
     (model / "__pycache__" / "junk.pyc").write_bytes(b"x")
     probe = root / "probe.py"

@@ -1,0 +1,83 @@
+"""Settings are checked when the config is built: a bad value names where it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from llava.config import CHECKS, EngineConfig, SettingsError, load_config
+
+BASE = "/srv/mar"
+
+
+def test_every_setting_has_a_check():
+    assert {f.name for f in dataclasses.fields(EngineConfig)} == set(CHECKS)
+
+
+def test_defaults_and_good_values_load():
+    config = load_config(
+        {"model_dir": "weights", "session_ttl_s": 1200, "intake": {"max_redirects": 1}},
+        {"LLAVA_SESSION_TTL_S": "30.5", "LLAVA_DEVICE": "cuda:1", "LLAVA_INTAKE": '{"allow": []}'},
+        BASE,
+    )
+    assert config.model_dir == f"{BASE}/weights"
+    assert (config.session_ttl_s, config.device) == (30.5, "cuda:1")
+    assert config.intake == {"max_redirects": 1, "allow": []}  # merged key by key
+
+
+@pytest.mark.parametrize(
+    ("environ", "named", "says"),
+    [
+        ({"LLAVA_SESSION_TTL_S": "abc"}, "LLAVA_SESSION_TTL_S", "'abc' is not a number"),
+        ({"LLAVA_SESSION_TTL_S": "0"}, "LLAVA_SESSION_TTL_S", "> 0"),
+        ({"LLAVA_SESSION_TTL_S": "true"}, "LLAVA_SESSION_TTL_S", "True is not"),
+        ({"LLAVA_INTAKE": '{"allow": '}, "LLAVA_INTAKE", "not a JSON object"),
+        ({"LLAVA_INTAKE": '{"allow": "10.0.0.0/8"}'}, "LLAVA_INTAKE", "list of strings"),
+        ({"LLAVA_INTAKE": '{"max_redirect": 2}'}, "LLAVA_INTAKE", "unknown intake config keys"),
+        ({"LLAVA_DEVICE": "gpu"}, "LLAVA_DEVICE", "auto, cpu, cuda or cuda:<index>"),
+        ({"LLAVA_DTYPE": "fp16"}, "LLAVA_DTYPE", "one of auto, float32"),
+        ({"LLAVA_SESSION_BUDGET_FRACTION": "1.5"}, "LLAVA_SESSION_BUDGET_FRACTION", "(0, 1]"),
+        ({"LLAVA_SESSION_BUDGET_BYTES": "-1"}, "LLAVA_SESSION_BUDGET_BYTES", "integer > 0"),
+        ({"LLAVA_DEFAULT_MAX_NEW_TOKENS": "5000"}, "LLAVA_DEFAULT_MAX_NEW_TOKENS", "over max_new"),
+    ],
+)
+def test_bad_environment_value_names_the_variable(environ, named, says):
+    with pytest.raises(SettingsError) as failure:
+        load_config({}, environ, BASE)
+    message = str(failure.value)
+    assert message.startswith(f"bad setting {named}: ") and says in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("archived", "named", "says"),
+    [
+        ({"session_ttl_s": "abc"}, "model-config.yaml handler.session_ttl_s", "not a number"),
+        ({"max_question_chars": 0}, "model-config.yaml handler.max_question_chars", "> 0"),
+        ({"sesion_ttl_s": 5}, "model-config.yaml handler.sesion_ttl_s", "unknown setting"),
+        ({"model_dir": 7}, "model-config.yaml handler.model_dir", "a directory path"),
+        ({"intake": ["x"]}, "model-config.yaml handler.intake", "not a JSON object"),
+        (None, "model-config.yaml handler", "must be a mapping"),
+    ],
+)
+def test_bad_archived_value_names_the_yaml_key(archived, named, says):
+    with pytest.raises(SettingsError) as failure:
+        load_config(archived, {}, BASE)
+    assert str(failure.value).startswith(f"bad setting {named}: ")
+    assert says in str(failure.value)
+
+
+def test_environment_wins_and_is_blamed_only_for_its_own_value():
+    with pytest.raises(SettingsError, match="model-config.yaml handler.dtype"):
+        load_config({"dtype": "fp8"}, {"LLAVA_SESSION_TTL_S": "60"}, BASE)
+    config = load_config({"session_ttl_s": "abc"}, {"LLAVA_SESSION_TTL_S": "60"}, BASE)
+    assert config.session_ttl_s == 60
+
+
+def test_unknown_llava_variables_are_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="llava.config"):
+        load_config({}, {"LLAVA_SESION_TTL_S": "5", "LLAVA_DEVICE": "cpu", "HOME": "/"}, BASE)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "LLAVA_SESION_TTL_S" in warnings[0]

@@ -1,0 +1,34 @@
+"""What the Makefile would run (``make -n``: printed, not run)."""
+
+from __future__ import annotations
+
+import subprocess
+
+from tests.conftest import REPO
+
+
+def dry_run(*args: str) -> list[str]:
+    done = subprocess.run(
+        ["make", "-n", "-B", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def pip_installs(lines: list[str]) -> list[str]:
+    return [
+        line.split(" install -q ", 1)[1].strip() for line in lines if " pip install -q " in line
+    ]
+
+
+def test_setup_installs_the_cpu_torch_first_by_default(tmp_path):
+    installs = pip_installs(dry_run("setup", f"VENV={tmp_path}/venv"))
+    assert installs == ["--upgrade pip", "torch==2.13.0", "-e '.[serve,dev,notebook]'"]
+
+
+def test_setup_on_a_cuda_machine_takes_torch_from_the_index_given(tmp_path):
+    index = "https://wheels.example/whl/cu128"
+    installs = pip_installs(dry_run("setup", f"VENV={tmp_path}/venv", f"TORCH_INDEX={index}"))
+    # torch alone comes from that index, before anything that depends on it
+    assert installs[1] == f"torch==2.13.0 --index-url {index}"
+    assert installs[2] == "-e '.[serve,dev,notebook]'"
