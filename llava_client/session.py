@@ -38,6 +38,7 @@ T = TypeVar("T")
 class Answer:
     text: str
     reply: dict  # the container's whole reply: usage (cached/new tokens), timing, expiresAt
+    metadata: dict  # boto3's ResponseMetadata: request id, HTTP headers
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class Session:
     def _ask_once(self, question: str, parameters: dict) -> Answer:
         reply = self.client._invoke(_ask_body(question, parameters), self._live_id())
         payload = json.loads(reply["Body"].read())
-        return Answer(payload["generation"]["text"], payload)
+        return Answer(payload["generation"]["text"], payload, reply["ResponseMetadata"])
 
     def _live_id(self) -> str:
         if self.closed:

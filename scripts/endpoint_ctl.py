@@ -42,6 +42,7 @@ class LocalEndpoint:
     name: str = "stateful-llava"
     part_bytes: int = 0
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the instances
+    instances_started: list[TorchServeInstance] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).absolute()
@@ -66,6 +67,7 @@ class LocalEndpoint:
         try:
             with ThreadPoolExecutor(len(instances)) as pool:  # they load their models at once
                 list(pool.map(lambda ts: ts.start(timeout), instances))
+            self.instances_started = instances
             self._spawn_server(instances, timeout=30.0)
         except BaseException:
             self.stop()
