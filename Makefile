@@ -1,4 +1,5 @@
-# The public interface: test, demo, serve, stop, mar, bench (names and meaning stay stable).
+# The public interface: test, demo, serve, stop, mar, bench, notebook, endpoint (names and
+# meaning stay stable).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,8 +8,12 @@ MODEL_DIR ?= models/demo-llava
 MAR_WEIGHTS ?= inside
 # e.g. SERVE_FLAGS="--instance-dir .run/b --inference-port 8090 --management-port 8091 ..."
 SERVE_FLAGS ?=
+# make endpoint: the local SageMaker-compatible endpoint over N TorchServe instances.
+ENDPOINT_INSTANCES ?= 2
+ENDPOINT_PORT ?= 8090
+ENDPOINT_DIR ?= .run/endpoint
 
-.PHONY: setup test lint demo bench build-demo-model mar serve stop clean
+.PHONY: setup test lint demo bench build-demo-model mar serve stop endpoint notebook clean
 
 # torch==2.13.0 goes in first: it is the local CPU wheel; anything that depends on torch
 # installed before it would pull a multi-GB CUDA build.
@@ -17,7 +22,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[serve,dev,notebook]'
+	$(PY) -m pip install -q -e '.[engine,serve,dev,notebook]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -50,8 +55,20 @@ mar: setup
 serve: mar
 	$(PY) scripts/torchserve_ctl.py start $(SERVE_FLAGS)
 
+# Stops what `serve` and what `endpoint` started.
 stop: setup
 	$(PY) scripts/torchserve_ctl.py stop $(SERVE_FLAGS)
+	$(PY) scripts/endpoint_ctl.py stop --run-dir $(ENDPOINT_DIR)
+
+# Returns once every instance has a READY worker and the endpoint answers on ENDPOINT_PORT.
+endpoint: mar
+	$(PY) scripts/endpoint_ctl.py start --instances $(ENDPOINT_INSTANCES) \
+		--port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
+
+# Executes the deploy-and-infer notebook in local mode into build/notebooks/ (it runs
+# `make endpoint` and `make stop` itself, on ENDPOINT_PORT).
+notebook: setup
+	$(PY) scripts/run_notebook.py --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache
