@@ -38,10 +38,12 @@ test: setup lint mar
 demo: mar
 	$(PY) scripts/demo.py
 
-# Per-turn latency by cache mode (realistic-shape model), then TorchServe's overhead per turn.
+# Per-turn latency by cache mode (realistic-shape model), then TorchServe's overhead per turn,
+# then the local endpoint's hop.
 bench: mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
+	$(PY) scripts/bench_endpoint.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup

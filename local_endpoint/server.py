@@ -94,6 +94,9 @@ class EndpointServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: with Nagle on, the body would wait for the
+    # client's delayed ACK (~40 ms) on every reply.
+    disable_nagle_algorithm = True
     server: EndpointServer
 
     def log_message(self, format, *args):  # noqa: A002 (BaseHTTPRequestHandler's signature)
