@@ -145,26 +145,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.instances < 1:
         parser.error("--instances must be at least 1")
     endpoint = LocalEndpoint(args.run_dir, args.instances, args.port, args.name, args.part_bytes)
+    actions = {
+        "start": lambda: _start(endpoint, args.timeout),
+        "stop": lambda: _stop(endpoint),
+        "status": lambda: _status(endpoint),
+    }
     try:
-        if args.command == "start":
-            began = time.monotonic()
-            instances = endpoint.start(args.timeout)
-            print(
-                f"endpoint {args.name} READY in {time.monotonic() - began:.1f} s at "
-                f"{endpoint.url} over {len(instances)} TorchServe instances "
-                f"({', '.join(ts.inference_url for ts in instances)}); logs in {args.run_dir}"
-            )
-        elif args.command == "stop":
-            endpoint.stop()
-            print(f"endpoint stopped ({args.run_dir})")
-        else:
-            pid = endpoint.server_pid()
-            print(f"endpoint: pid {pid}" if pid else "endpoint: not running")
-            return 0 if pid else 1
+        return actions[args.command]()
     except TorchServeError as e:
         print(f"endpoint_ctl {args.command}: {e}", file=sys.stderr)
         return 1
+
+
+def _start(endpoint: LocalEndpoint, timeout: float) -> int:
+    began = time.monotonic()
+    urls = ", ".join(ts.inference_url for ts in endpoint.start(timeout))
+    print(
+        f"endpoint {endpoint.name} READY in {time.monotonic() - began:.1f} s at {endpoint.url} "
+        f"over TorchServe {urls}; logs in {endpoint.run_dir}"
+    )
     return 0
+
+
+def _stop(endpoint: LocalEndpoint) -> int:
+    endpoint.stop()
+    print(f"endpoint stopped ({endpoint.run_dir})")
+    return 0
+
+
+def _status(endpoint: LocalEndpoint) -> int:
+    pid = endpoint.server_pid()
+    print(f"endpoint: pid {pid}" if pid else "endpoint: not running")
+    return 0 if pid else 1
 
 
 if __name__ == "__main__":
