@@ -1,4 +1,5 @@
-# The public interface: test, demo, serve, stop, mar, bench (names and meaning stay stable).
+# The public interface: test, demo, serve, stop, mar, bench, notebook, endpoint (names and
+# meaning stay stable).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,8 +12,12 @@ MAR_WEIGHTS ?=
 MAR_CHOICE = $(if $(MODEL_DIR),--model-dir $(MODEL_DIR)) $(if $(MAR_WEIGHTS),--weights $(MAR_WEIGHTS))
 # e.g. SERVE_FLAGS="--instance-dir .run/b --inference-port 8090 --management-port 8091 ..."
 SERVE_FLAGS ?=
+# make endpoint: the local SageMaker-compatible endpoint over N TorchServe instances.
+ENDPOINT_INSTANCES ?= 2
+ENDPOINT_PORT ?= 8090
+ENDPOINT_DIR ?= .run/endpoint
 
-.PHONY: setup test lint demo bench build-demo-model mar demo-mar serve stop clean
+.PHONY: setup test lint demo bench build-demo-model mar demo-mar serve stop endpoint notebook clean
 
 # CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
 # fresh checkout (or after `rm -rf .venv`) installs that build of torch 2.13.0 instead.
@@ -25,7 +30,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e '.[serve,dev,notebook]'
+	$(PY) -m pip install -q -e '.[engine,serve,dev,notebook]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -41,12 +46,14 @@ test: setup lint demo-mar
 demo: demo-mar
 	$(PY) scripts/demo.py
 
-# Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn, and
-# the handler's per-request cost against the number of idle sessions held.
+# Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn,
+# the handler's per-request cost against the number of idle sessions held, then the local
+# endpoint's hop.
 bench: demo-mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
 	$(PY) scripts/bench_sessions.py
+	$(PY) scripts/bench_endpoint.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup
@@ -67,8 +74,20 @@ demo-mar: setup
 serve: mar
 	$(PY) scripts/torchserve_ctl.py start $(SERVE_FLAGS)
 
+# Stops what `serve` and what `endpoint` started.
 stop: setup
 	$(PY) scripts/torchserve_ctl.py stop $(SERVE_FLAGS)
+	$(PY) scripts/endpoint_ctl.py stop --run-dir $(ENDPOINT_DIR)
+
+# Returns once every instance has a READY worker and the endpoint answers on ENDPOINT_PORT.
+endpoint: mar
+	$(PY) scripts/endpoint_ctl.py start --instances $(ENDPOINT_INSTANCES) \
+		--port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
+
+# Executes the deploy-and-infer notebook in local mode into build/notebooks/ (it runs
+# `make endpoint` and `make stop` itself, on ENDPOINT_PORT).
+notebook: setup
+	$(PY) scripts/run_notebook.py --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

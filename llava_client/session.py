@@ -1,0 +1,190 @@
+"""Chat about an image through a SageMaker endpoint with sticky sessions (boto3 only).
+
+    client = LlavaClient("stateful-llava", region_name="us-east-1")  # or endpoint_url=...
+    with client.open(image="https://example.com/cat.png") as chat:
+        print(chat.ask("What is in the picture?").text)
+        for text in chat.ask_stream("Describe it in detail."):
+            print(text, end="")
+
+The session id is the one the endpoint issues (``NewSessionId``). With ``recover=True``
+(the default), a session that is gone (its instance was replaced, it expired or was evicted)
+is re-opened on the same image and its questions are asked again in order, so that the next
+``ask`` continues the conversation; the answers are regenerated (identical under greedy
+decoding; ``replay_mismatches`` counts those that came out different).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import boto3
+from botocore.exceptions import ClientError
+
+from llava_client.errors import LlavaError, SessionGone, from_client_error, from_stream_error
+from llava_client.images import image_source
+from llava_client.jsonlines import JsonLines
+
+logger = logging.getLogger(__name__)
+NEW_SESSION = "NEW_SESSION"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    reply: dict  # the container's whole reply: usage (cached/new tokens), timing, expiresAt
+    metadata: dict  # boto3's ResponseMetadata: request id, HTTP headers
+
+
+@dataclass(frozen=True)
+class Turn:
+    question: str
+    answer: str
+    parameters: dict
+
+
+class LlavaClient:
+    """One SageMaker endpoint. ``runtime``: a ready ``sagemaker-runtime`` client, else one is
+    made from ``client_kwargs`` (``region_name``, ``endpoint_url`` for a local endpoint...)."""
+
+    def __init__(self, endpoint_name: str, runtime=None, recover: bool = True, **client_kwargs):
+        self.endpoint_name = endpoint_name
+        self.runtime = runtime or boto3.client("sagemaker-runtime", **client_kwargs)
+        self.recover = recover
+
+    def open(self, image: Any = None) -> Session:
+        """Open a session on ``image`` (URL, ``s3://`` URI, bytes, file path, PIL image, None)."""
+        source = image_source(image)
+        return Session(self, *self._open(source), source)
+
+    def _open(self, source: dict | None) -> tuple[str, str]:
+        body = {"requestType": NEW_SESSION} | ({"image": source} if source else {})
+        reply = self._invoke(body, NEW_SESSION)
+        announced = reply.get("NewSessionId")
+        if not announced:
+            raise LlavaError(
+                "NO_SESSION", "the endpoint started no session (no NewSessionId): is it stateful?"
+            )
+        session_id, _, expires = announced.partition(";")
+        return session_id.strip(), expires.strip().removeprefix("Expires=")
+
+    def _invoke(self, body: dict, session_id: str) -> dict:
+        try:
+            return self.runtime.invoke_endpoint(
+                EndpointName=self.endpoint_name,
+                SessionId=session_id,
+                ContentType="application/json",
+                Accept="application/json",
+                Body=json.dumps(body),
+            )
+        except ClientError as err:
+            raise from_client_error(err, with_session=session_id != NEW_SESSION) from err
+
+    def _stream(self, body: dict, session_id: str):
+        try:
+            reply = self.runtime.invoke_endpoint_with_response_stream(
+                EndpointName=self.endpoint_name,
+                SessionId=session_id,
+                ContentType="application/json",
+                Body=json.dumps(body),
+            )
+        except ClientError as err:
+            raise from_client_error(err, with_session=True) from err
+        return reply["Body"]
+
+
+class Session:
+    """A conversation about one image; not thread-safe (its turns are sequential anyway)."""
+
+    def __init__(self, client: LlavaClient, session_id: str, expires_at: str, image: dict | None):
+        self.client = client
+        self.id = session_id
+        self.expires_at = expires_at
+        self.history: list[Turn] = []
+        self.recoveries = 0
+        self.replay_mismatches = 0
+        self.closed = False
+        self._image = image  # kept to re-open on recovery
+
+    def ask(self, question: str, **parameters) -> Answer:
+        """Ask and wait for the whole answer (``parameters``: max_new_tokens, temperature...)."""
+        answer = self._recovering(lambda: self._ask_once(question, parameters))
+        self.history.append(Turn(question, answer.text, parameters))
+        return answer
+
+    def ask_stream(self, question: str, **parameters) -> Iterator[str]:
+        """Ask and yield the answer's text as it arrives (InvokeEndpointWithResponseStream)."""
+        body = _ask_body(question, parameters) | {"stream": True}
+        events = self._recovering(lambda: self.client._stream(body, self._live_id()))
+        lines, final = JsonLines(), None
+        try:
+            for event in events:
+                for line in lines.feed(event.get("PayloadPart", {}).get("Bytes", b"")):
+                    if "error" in line:
+                        raise from_stream_error(line)
+                    if "token" in line:
+                        if line["token"]["text"]:
+                            yield line["token"]["text"]
+                    else:
+                        final = line
+        except ClientError as err:  # a ModelStreamError event: the stream broke midway
+            raise from_client_error(err, with_session=True) from err
+        lines.close()
+        if final is None:
+            raise LlavaError("STREAM_INCOMPLETE", "the stream ended without the final reply")
+        self.history.append(Turn(question, final["generation"]["text"], parameters))
+
+    def close(self) -> None:
+        """End the session and free its memory on the server; closing twice is fine."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(SessionGone):  # already gone: nothing left to free
+            self.client._invoke({"requestType": "CLOSE_SESSION"}, self.id)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _ask_once(self, question: str, parameters: dict) -> Answer:
+        reply = self.client._invoke(_ask_body(question, parameters), self._live_id())
+        payload = json.loads(reply["Body"].read())
+        return Answer(payload["generation"]["text"], payload, reply["ResponseMetadata"])
+
+    def _live_id(self) -> str:
+        if self.closed:
+            raise SessionGone("SESSION_CLOSED", f"session {self.id} was closed by this client")
+        return self.id
+
+    def _recovering(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except SessionGone as gone:
+            if not self.client.recover or self.closed:
+                raise
+            logger.warning("session %s is gone (%s): re-opening and replaying", self.id, gone)
+            self._reopen()
+            return call()
+
+    def _reopen(self) -> None:
+        self.id, self.expires_at = self.client._open(self._image)
+        replayed = []
+        for turn in self.history:
+            answer = self._ask_once(turn.question, turn.parameters)
+            self.replay_mismatches += answer.text != turn.answer
+            replayed.append(Turn(turn.question, answer.text, turn.parameters))
+        self.history = replayed  # what the new session now holds
+        self.recoveries += 1
+
+
+def _ask_body(question: str, parameters: dict) -> dict:
+    return {"requestType": "SESSION", "inputs": question} | (
+        {"parameters": parameters} if parameters else {}
+    )

@@ -1,0 +1,234 @@
+"""The sagemaker-runtime REST surface, forwarding to TorchServe's ``/invocations``.
+
+``POST /endpoints/{name}/invocations`` and ``.../invocations-response-stream`` with the
+session header ``X-Amzn-SageMaker-Session-Id``:
+
+* ``NEW_SESSION``: goes to the least-loaded instance; the container's session header comes
+  back as ``X-Amzn-SageMaker-New-Session-Id`` and binds the id to that instance.
+* an id: goes to its instance; an id the endpoint does not know is a 400 ``ValidationError``
+  (SageMaker's router answers it; the container never sees it). A reply carrying
+  ``X-Amzn-SageMaker-Closed-Session-Id`` unbinds the id.
+* none: a stateless call, to the least-loaded instance.
+
+A container reply other than 200 becomes what SageMaker makes of it: 424 ``ModelError`` with
+``OriginalStatusCode`` and ``OriginalMessage`` (the container's body). Streamed replies are
+framed as ``PayloadPart`` events. Every reply names the instance in ``X-Local-Endpoint-Instance``
+(SageMaker has no such header; tests use it to see stickiness).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+from local_endpoint import eventstream
+from local_endpoint.router import Backend, Router
+
+SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
+NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
+CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+INSTANCE_HEADER = "X-Local-Endpoint-Instance"
+NEW_SESSION = "NEW_SESSION"
+SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")  # botocore's SessionId pattern
+FORWARDED = ("Content-Type", "Accept", "X-Amzn-SageMaker-Custom-Attributes", SESSION_HEADER)
+_ROUTE = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
+
+
+class Rejected(Exception):
+    """An answer of the endpoint itself (not of a container), as botocore parses it."""
+
+    def __init__(self, status: int, error_type: str, message: str, **fields):
+        super().__init__(message)
+        self.status, self.error_type, self.message, self.fields = (
+            status,
+            error_type,
+            message,
+            fields,
+        )
+
+
+def validation_error(message: str) -> Rejected:
+    return Rejected(400, "ValidationError", message)
+
+
+def model_error(status: int, body: bytes) -> Rejected:
+    """A container's non-200 reply, wrapped as SageMaker wraps it (424 ModelError)."""
+    original = body.decode("utf-8", errors="replace")
+    kind = "client" if status < 500 else "server"
+    return Rejected(
+        424,
+        "ModelError",
+        f'Received {kind} error ({status}) from primary with message "{original}".',
+        OriginalStatusCode=status,
+        OriginalMessage=original,
+        ErrorCode=f"{kind.upper()}_ERROR_FROM_MODEL",
+        LogStreamArn="local-endpoint",
+    )
+
+
+class BackendDown(Exception):
+    """The instance did not answer at all (connection refused or dropped)."""
+
+
+class EndpointServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        endpoint_name: str,
+        router: Router,
+        part_bytes: int = 0,  # > 0: split streamed chunks into parts of at most this size
+        timeout_s: float = 60.0,  # SageMaker gives a container 60 s to answer
+    ):
+        super().__init__(address, _Handler)
+        self.endpoint_name = endpoint_name
+        self.router = router
+        self.part_bytes = part_bytes
+        self.timeout_s = timeout_s
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: with Nagle on, the body would wait for the
+    # client's delayed ACK (~40 ms) on every reply.
+    disable_nagle_algorithm = True
+    server: EndpointServer
+
+    def log_message(self, format, *args):  # noqa: A002 (BaseHTTPRequestHandler's signature)
+        pass
+
+    def do_GET(self):
+        if urlsplit(self.path).path == "/ping":
+            self._send(200, b"{}", {"Content-Type": "application/json"})
+        else:
+            self._reject(Rejected(404, "UnknownOperationException", f"no route {self.path}"))
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            route = _ROUTE.fullmatch(urlsplit(self.path).path)
+            if route is None:
+                raise Rejected(404, "UnknownOperationException", f"no route {self.path}")
+            name = unquote(route[1])
+            if name != self.server.endpoint_name:
+                raise validation_error(f"Endpoint {name} of account local not found.")
+            streaming = route[2] == "invocations-response-stream"
+            self._invoke(body, self.headers.get(SESSION_HEADER), streaming)
+        except Rejected as rejected:
+            self._reject(rejected)
+
+    def _invoke(self, body: bytes, session_id: str | None, streaming: bool) -> None:
+        if session_id is None or session_id == NEW_SESSION:
+            if streaming and session_id == NEW_SESSION:
+                raise validation_error(
+                    "InvokeEndpointWithResponseStream cannot start a session: "
+                    "open it with InvokeEndpoint and SessionId NEW_SESSION"
+                )
+            backend, reply = self._forward_to_any(body)
+        else:
+            if len(session_id) > 256 or not SESSION_ID.match(session_id):
+                raise validation_error(f"Invalid SessionId {session_id!r}")
+            backend = self.server.router.for_session(session_id)
+            if backend is None:
+                raise validation_error(
+                    f"Session {session_id} does not exist: it was never opened, was closed, "
+                    "or its instance is gone"
+                )
+            try:
+                reply = self._forward(backend, body)
+            except BackendDown:
+                lost = self.server.router.mark_dead(backend)
+                raise validation_error(
+                    f"Session {session_id} does not exist any more: instance {backend.name} "
+                    f"stopped answering ({lost} sessions lost)"
+                ) from None
+        with reply:
+            if reply.status != 200:
+                raise model_error(reply.status, reply.read())
+            if streaming:
+                self._stream(backend, reply)
+            else:
+                self._relay(backend, reply, opening=session_id == NEW_SESSION)
+
+    def _forward_to_any(self, body: bytes) -> tuple[Backend, http.client.HTTPResponse]:
+        """Opens and stateless calls may go anywhere: try the live instances, least loaded first."""
+        tried: set[str] = set()
+        while (backend := self.server.router.for_new_session(frozenset(tried))) is not None:
+            try:
+                return backend, self._forward(backend, body)
+            except BackendDown:
+                self.server.router.mark_dead(backend)
+                tried.add(backend.name)
+        raise Rejected(503, "ServiceUnavailable", "no instance of the endpoint is answering")
+
+    def _forward(self, backend: Backend, body: bytes) -> http.client.HTTPResponse:
+        target = urlsplit(backend.url)
+        conn = http.client.HTTPConnection(target.hostname, target.port, self.server.timeout_s)
+        headers = {name: self.headers[name] for name in FORWARDED if name in self.headers}
+        try:
+            conn.request("POST", "/invocations", body=body, headers=headers)
+            return conn.getresponse()
+        except (ConnectionError, http.client.HTTPException) as err:
+            conn.close()
+            raise BackendDown(str(err)) from err
+
+    def _relay(self, backend: Backend, reply: http.client.HTTPResponse, opening: bool) -> None:
+        headers = {
+            "Content-Type": reply.getheader("Content-Type", "application/octet-stream"),
+            INSTANCE_HEADER: backend.name,
+        }
+        # Reference containers announce the new id in the session header, some in the new one.
+        announced = reply.getheader(NEW_SESSION_HEADER) or reply.getheader(SESSION_HEADER)
+        if opening and announced:
+            self.server.router.bind(announced.split(";", 1)[0].strip(), backend)
+            headers[NEW_SESSION_HEADER] = announced
+        if closed := reply.getheader(CLOSED_SESSION_HEADER):
+            self.server.router.unbind(closed.strip())
+            headers[CLOSED_SESSION_HEADER] = closed
+        self._send(200, reply.read(), headers)
+
+    def _stream(self, backend: Backend, reply: http.client.HTTPResponse) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/vnd.amazon.eventstream")
+        self.send_header("X-Amzn-SageMaker-Content-Type", reply.getheader("Content-Type", ""))
+        self.send_header(INSTANCE_HEADER, backend.name)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
+        self.end_headers()
+        try:
+            while chunk := reply.read1(65536):
+                for part in _split(chunk, self.server.part_bytes):
+                    self._write_chunk(eventstream.payload_part(part))
+        except (OSError, http.client.HTTPException) as err:
+            message = f"instance {backend.name} broke the stream: {err}"
+            self._write_chunk(eventstream.model_stream_error(message, "ModelStreamError"))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _reject(self, rejected: Rejected) -> None:
+        body = {"message": rejected.message, **rejected.fields}
+        headers = {"Content-Type": "application/json", "x-amzn-ErrorType": rejected.error_type}
+        self._send(rejected.status, json.dumps(body).encode(), headers)
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _split(data: bytes, size: int) -> list[bytes]:
+    if size <= 0:
+        return [data]
+    return [data[i : i + size] for i in range(0, len(data), size)]

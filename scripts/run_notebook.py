@@ -1,0 +1,86 @@
+"""Execute notebooks/llava_stateful_deploy_infer.ipynb in local mode and check what it printed.
+
+    python scripts/run_notebook.py [--port 8090] [--run-dir .run/endpoint] [--out build/notebooks]
+
+The notebook starts the local endpoint itself (``make endpoint``) and stops it at the end; if
+a cell fails, the endpoint is stopped here instead. The executed copy (outputs, plots) is
+written to ``--out``. Exits non-zero when a cell fails or the summary is not what it should be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts.endpoint_ctl import LocalEndpoint  # noqa: E402
+
+NOTEBOOK = REPO / "notebooks" / "llava_stateful_deploy_infer.ipynb"
+RESULT = "NOTEBOOK_RESULT "
+
+
+def execute(port: int, run_dir: Path, timeout_s: int = 300) -> tuple[nbformat.NotebookNode, dict]:
+    """Run every cell in local mode; the executed notebook and its summary line, parsed."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    os.environ.update(
+        LLAVA_NOTEBOOK_MODE="local", ENDPOINT_PORT=str(port), ENDPOINT_DIR=str(run_dir)
+    )
+    client = NotebookClient(
+        notebook, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": REPO}}
+    )
+    try:
+        client.execute()
+    finally:
+        LocalEndpoint(run_dir).stop()  # a no-op when the notebook's own clean-up ran
+    return notebook, summary(notebook)
+
+
+def summary(notebook: nbformat.NotebookNode) -> dict:
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            for line in output.get("text", "").splitlines():
+                if line.startswith(RESULT):
+                    return json.loads(line.removeprefix(RESULT))
+    raise ValueError("the notebook printed no summary line")
+
+
+def problems(result: dict) -> list[str]:
+    """What is wrong with a local-mode run's summary; [] when all is right."""
+    found = []
+    if result["answers"] != result["expected"]:
+        found.append(f"answers {result['answers']} != expected {result['expected']}")
+    if result["streamed"] != result["stream_expected"]:
+        found.append(f"streamed {result['streamed']!r} != {result['stream_expected']!r}")
+    turns = [name for name in result["timings_ms"] if name.startswith("turn ")]
+    if "open" not in result["timings_ms"] or len(turns) != len(result["expected"]):
+        found.append(f"timings missing: {result['timings_ms']}")
+    if not (result["closed"] and result["cleaned_up"]):
+        found.append("the session was not closed or the endpoint not stopped")
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8090)
+    parser.add_argument("--run-dir", type=Path, default=REPO / ".run" / "endpoint")
+    parser.add_argument("--out", type=Path, default=REPO / "build" / "notebooks")
+    args = parser.parse_args()
+    notebook, result = execute(args.port, args.run_dir.absolute())
+    args.out.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, args.out / NOTEBOOK.name)
+    print(json.dumps(result, indent=1))
+    wrong = problems(result)
+    print("\n".join(wrong) or f"notebook ran in local mode: {args.out / NOTEBOOK.name}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""A local endpoint over real TorchServe instances, boto3 clients for it, and images to ask about.
+
+Nothing is mocked: boto3 signs and sends real HTTP to the local endpoint, which forwards to real
+TorchServe processes serving model-store/llava.mar. The credentials are dummies: the local
+endpoint does not check signatures (only AWS can verify IAM).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import boto3
+
+from scripts.endpoint_ctl import LocalEndpoint
+from scripts.make_mar import build_mar
+from scripts.torchserve_ctl import free_ports
+from tests.conftest import DEMO_MODEL_DIR, REPO, recognized_samples
+from tests.intake_servers import LoopbackServer, image_bytes, respond
+
+ENDPOINT = "stateful-llava"
+MAR = REPO / "model-store" / "llava.mar"
+DUMMY_CREDENTIALS = {
+    "region_name": "us-east-1",
+    "aws_access_key_id": "local",
+    "aws_secret_access_key": "local",
+}
+
+
+def start_endpoint(run_dir: Path, instances: int, part_bytes: int = 0) -> LocalEndpoint:
+    if not MAR.exists():  # `make test` builds it with `make mar`; a bare pytest run may not
+        build_mar(DEMO_MODEL_DIR)
+    endpoint = LocalEndpoint(
+        run_dir,
+        instances,
+        port=free_ports(1)[0],
+        part_bytes=part_bytes,
+        env={"LLAVA_INTAKE": json.dumps({"allow": ["127.0.0.1"]})},  # images on loopback
+    )
+    endpoint.start(timeout=180)
+    return endpoint
+
+
+def runtime(endpoint: LocalEndpoint):
+    """An unmodified boto3 sagemaker-runtime client pointed at the local endpoint."""
+    return boto3.client("sagemaker-runtime", endpoint_url=endpoint.url, **DUMMY_CREDENTIALS)
+
+
+class ShapeImages:
+    """Images the demo model recognizes, differing pairwise in colour and shape, on loopback."""
+
+    def __init__(self, demo_model, count: int):
+        self.samples = []
+        for candidate in recognized_samples(demo_model, 12, seed=90_000):
+            if all(candidate.color != s.color and candidate.shape != s.shape for s in self.samples):
+                self.samples.append(candidate)
+            if len(self.samples) == count:
+                break
+        self.http = LoopbackServer()
+        for i, sample in enumerate(self.samples):
+            self.http.routes[f"/{i}.png"] = respond(
+                image_bytes(sample.image), headers={"Content-Type": "image/png"}
+            )
+
+    def url(self, i: int) -> str:
+        return self.http.url(f"/{i}.png")
+
+    def close(self) -> None:
+        self.http.close()

@@ -1,0 +1,218 @@
+"""boto3 against the local endpoint over two real TorchServe instances (issue 15's tests).
+
+The endpoint splits every streamed chunk into 7-byte PayloadParts, so every streaming test also
+shows that JSON lines survive arbitrary splits. The instance-killing test runs last: it takes
+one instance down for good.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import psutil
+import pytest
+from botocore.exceptions import ClientError
+
+from llava_client import LlavaClient, LlavaError, SessionGone
+from scripts.torchserve_ctl import TorchServeInstance
+from tests.endpoint_helpers import ENDPOINT, ShapeImages, runtime, start_endpoint
+
+pytestmark = pytest.mark.torchserve
+INSTANCE = "x-local-endpoint-instance"
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    endpoint = start_endpoint(tmp_path_factory.mktemp("endpoint"), instances=2, part_bytes=7)
+    yield endpoint
+    endpoint.stop()
+
+
+@pytest.fixture(scope="module")
+def images(demo_model):
+    images = ShapeImages(demo_model, 3)
+    yield images
+    images.close()
+
+
+@pytest.fixture(scope="module")
+def rt(endpoint):
+    return runtime(endpoint)
+
+
+@pytest.fixture(scope="module")
+def client(rt):
+    return LlavaClient(ENDPOINT, runtime=rt)
+
+
+def invoke(rt, session_id, body):
+    return rt.invoke_endpoint(
+        EndpointName=ENDPOINT,
+        SessionId=session_id,
+        ContentType="application/json",
+        Body=json.dumps(body),
+    )
+
+
+def kill(processes: list[psutil.Process]) -> None:
+    for proc in processes:
+        proc.send_signal(signal.SIGKILL)
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive
+
+
+def open_raw(rt, url) -> tuple[str, str]:
+    """Open with plain boto3; the session id and the instance that holds it."""
+    reply = invoke(rt, "NEW_SESSION", {"requestType": "NEW_SESSION", "image": {"url": url}})
+    return reply["NewSessionId"].split(";")[0], reply["ResponseMetadata"]["HTTPHeaders"][INSTANCE]
+
+
+def ask_raw(rt, session_id, question) -> tuple[str, str]:
+    reply = invoke(rt, session_id, {"requestType": "SESSION", "inputs": question})
+    text = json.loads(reply["Body"].read())["generation"]["text"]
+    return text, reply["ResponseMetadata"]["HTTPHeaders"][INSTANCE]
+
+
+def test_sessions_spread_over_instances_and_stick(rt, images):
+    opened = [open_raw(rt, images.url(i % 3)) for i in range(4)]
+    assert {instance for _, instance in opened} == {"instance-0", "instance-1"}
+    for turn in range(2):
+        for i, (session_id, instance) in enumerate(opened):
+            question = "What color is the shape?" if turn == 0 else "And its shape?"
+            text, answered_by = ask_raw(rt, session_id, question)
+            assert answered_by == instance
+            truth = images.samples[i % 3]
+            assert text == (truth.color if turn == 0 else truth.shape)
+    for session_id, _ in opened:
+        invoke(rt, session_id, {"requestType": "CLOSE_SESSION"})
+
+
+def test_interleaved_sessions_answer_about_their_own_image(client, images):
+    chats = [client.open(images.url(i)) for i in range(3)]
+    for question, attribute in [
+        ("What shape is it?", "shape"),
+        ("And its color?", "color"),
+        ("Say that again.", "color"),
+    ]:
+        for chat, truth in zip(chats, images.samples, strict=True):
+            assert chat.ask(question).text == getattr(truth, attribute)
+    for chat in chats:
+        chat.close()
+
+
+def test_close_then_ask_is_the_validation_error_a_sagemaker_caller_gets(rt, images):
+    session_id, _ = open_raw(rt, images.url(0))
+    closed = invoke(rt, session_id, {"requestType": "CLOSE_SESSION"})
+    assert closed["ClosedSessionId"] == session_id
+    with pytest.raises(ClientError) as raised:
+        ask_raw(rt, session_id, "What shape is it?")
+    error = raised.value.response
+    assert error["Error"]["Code"] == "ValidationError"
+    assert error["ResponseMetadata"]["HTTPStatusCode"] == 400
+    assert session_id in error["Error"]["Message"]
+
+
+def test_container_errors_arrive_as_model_error_with_the_containers_code(rt, client, images):
+    session_id, _ = open_raw(rt, images.url(0))
+    with pytest.raises(ClientError) as raised:
+        invoke(rt, session_id, {"requestType": "SESSION", "inputs": 42})
+    error = raised.value.response
+    assert error["Error"]["Code"] == "ModelError"
+    assert error["ResponseMetadata"]["HTTPStatusCode"] == 424
+    assert error["OriginalStatusCode"] == 400
+    assert json.loads(error["OriginalMessage"])["error"]["code"] == "INVALID_REQUEST"
+    # the client turns it into an exception carrying the container's code and status
+    chat = client.open(images.url(0))
+    with pytest.raises(LlavaError) as raised_client:
+        chat.ask("")
+    assert (raised_client.value.code, raised_client.value.status) == ("INVALID_REQUEST", 400)
+    assert not isinstance(raised_client.value, SessionGone)
+    chat.close()
+
+
+def test_unknown_endpoint_name_is_a_validation_error(rt):
+    with pytest.raises(ClientError) as raised:
+        rt.invoke_endpoint(EndpointName="no-such-endpoint", Body=b"{}")
+    assert raised.value.response["Error"]["Code"] == "ValidationError"
+
+
+def test_streaming_yields_incremental_text(rt, client, images):
+    chat = client.open(images.url(1))
+    truth = images.samples[1]
+    pieces = list(chat.ask_stream("What shape is it?", min_new_tokens=4, max_new_tokens=4))
+    assert len(pieces) >= 2  # text arrived piece by piece, not as one final blob
+    assert "".join(pieces) == chat.history[-1].answer
+    assert chat.history[-1].answer.startswith(truth.shape)
+    # the raw events: many 7-byte PayloadParts, token lines before the final reply
+    reply = rt.invoke_endpoint_with_response_stream(
+        EndpointName=ENDPOINT,
+        SessionId=chat.id,
+        ContentType="application/json",
+        Body=json.dumps({"requestType": "SESSION", "inputs": "And its color?", "stream": True}),
+    )
+    parts = [event["PayloadPart"]["Bytes"] for event in reply["Body"]]
+    assert len(parts) > 10 and max(len(p) for p in parts) <= 7
+    lines = [json.loads(line) for line in b"".join(parts).splitlines()]
+    assert "token" in lines[0] and lines[-1]["generation"]["text"] == truth.color
+    chat.close()
+
+
+def test_a_stream_cannot_open_a_session(rt):
+    with pytest.raises(ClientError) as raised:
+        rt.invoke_endpoint_with_response_stream(
+            EndpointName=ENDPOINT, SessionId="NEW_SESSION", Body=b'{"requestType": "NEW_SESSION"}'
+        )
+    assert raised.value.response["Error"]["Code"] == "ValidationError"
+
+
+def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, client, images):
+    """Two ways to lose sessions, the client's recovery, and the bystanders untouched.
+
+    A. instance-0 dies altogether: the endpoint forgets its sessions (ValidationError);
+       instance-1's sessions go on as if nothing happened.
+    B. then instance-1's worker dies: TorchServe restarts it empty, so ids reach a container
+       that does not know them: ModelError with the container's 400 SESSION_NOT_FOUND.
+    """
+    truths = [images.samples[i % 3] for i in range(4)]
+    chats = [client.open(images.url(i % 3)) for i in range(4)]
+    answers = [chat.ask("What color is the shape?") for chat in chats]
+    assert [a.text for a in answers] == [t.color for t in truths]
+    held = {id(c): a.metadata["HTTPHeaders"][INSTANCE] for c, a in zip(chats, answers, strict=True)}
+    assert set(held.values()) == {"instance-0", "instance-1"}
+
+    # A. instance-0 dies
+    kill(TorchServeInstance(endpoint.run_dir / "instance-0").processes())
+    victims = [chat for chat in chats if held[id(chat)] == "instance-0"]
+    with pytest.raises(ClientError) as raised:
+        ask_raw(rt, victims[0].id, "And its shape?")
+    assert raised.value.response["Error"]["Code"] == "ValidationError"
+    for chat, truth in zip(chats, truths, strict=True):
+        old_id, was_victim = chat.id, chat in victims
+        answer = chat.ask("And its shape?")
+        assert answer.text == truth.shape
+        assert answer.metadata["HTTPHeaders"][INSTANCE] == "instance-1"
+        assert chat.replay_mismatches == 0
+        if was_victim:  # re-opened and replayed on the surviving instance
+            assert chat.recoveries == 1 and chat.id != old_id
+        else:  # untouched: same session, its KV cache still there
+            assert chat.recoveries == 0 and chat.id == old_id
+            assert answer.reply["usage"]["tier"] == "kv"
+            assert answer.reply["usage"]["cachedTokens"] > answers[0].reply["usage"]["cachedTokens"]
+        assert [turn.answer for turn in chat.history] == [truth.color, truth.shape]
+
+    # B. instance-1's worker dies and comes back empty
+    ts1 = endpoint.instances_started[1]
+    kill([psutil.Process(ts1.worker_pid())])
+    ts1.wait_ready(timeout=120)
+    with pytest.raises(ClientError) as raised:
+        ask_raw(rt, chats[0].id, "Say that again.")
+    error = raised.value.response
+    assert error["Error"]["Code"] == "ModelError" and error["OriginalStatusCode"] == 400
+    assert json.loads(error["OriginalMessage"])["error"]["code"] == "SESSION_NOT_FOUND"
+    for chat, truth in zip(chats, truths, strict=True):
+        recoveries = chat.recoveries
+        assert chat.ask("Say that again.").text == truth.shape  # needs the replayed turns
+        assert chat.recoveries == recoveries + 1 and chat.replay_mismatches == 0
+    for chat in chats:
+        chat.close()
