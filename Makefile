@@ -17,13 +17,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[serve,dev,notebook]'
+	$(PY) -m pip install -q -e '.[serve,deploy,dev,notebook]'
 	touch $@
 
 setup: $(VENV)/.installed
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/shellcheck docker/entrypoint.sh scripts/build_and_push.sh
 
 # `mar` first: the TorchServe tests serve the very .mar that `make mar` builds.
 test: setup lint mar
