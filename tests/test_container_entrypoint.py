@@ -210,8 +210,10 @@ def test_bad_setup_fails_at_once_with_one_line(tmp_path, setup, env, message):
     elif setup == "two-mars":
         lay_out(model_dir, "mar")
         shutil.copy(model_dir / "llava.mar", model_dir / "other.mar")
-    elif setup == "dangling-reference":
+    elif setup == "dangling-reference":  # weights referenced, then gone
+        shutil.copytree(DEMO_MODEL_DIR, tmp_path / "gone")
         build_mar(tmp_path / "gone", "reference", export_path=model_dir)
+        shutil.rmtree(tmp_path / "gone")
     else:
         lay_out(model_dir, setup)
     container = Container(tmp_path, model_dir, **env)
