@@ -21,8 +21,10 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # Per-connection headers (RFC 9110 §7.6.1): they describe one hop, so they are not forwarded.
+# Content-Length is set again for the body actually sent; Expect: 100-continue was answered here.
 HOP_BY_HOP = frozenset(
     {
+        "expect",
         "connection",
         "keep-alive",
         "proxy-connection",

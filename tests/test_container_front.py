@@ -145,3 +145,15 @@ def test_upstream_down_is_a_json_503(readiness):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_expect_continue_is_answered_by_the_front(front):
+    """curl sends ``Expect: 100-continue`` with bodies over 1 MB; the front answers it itself."""
+    body = b'{"b64": "%s"}' % (b"A" * 2_000_000)
+    reply = requests.post(
+        f"{front}/invocations",
+        data=body,
+        headers={"Expect": "100-continue", "X-Session": "e"},
+        timeout=WAIT_S,
+    )
+    assert reply.status_code == 200 and len(reply.json()["body"]) == len(body)
