@@ -35,10 +35,12 @@ test: setup lint mar
 demo: mar
 	$(PY) scripts/demo.py
 
-# Per-turn latency by cache mode (realistic-shape model), then TorchServe's overhead per turn.
+# Per-turn latency by cache mode (realistic-shape model), then TorchServe's overhead per turn,
+# then what the container's /ping front adds per turn.
 bench: mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
+	$(PY) scripts/bench_front.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup
