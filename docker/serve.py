@@ -206,7 +206,10 @@ def serve(settings: Settings) -> int:
 
 def main(argv: list[str]) -> int:
     if argv != ["serve"]:
-        print("usage: serve.py serve   (what SageMaker runs: docker run <image> serve)")
+        print(
+            "usage: serve.py serve   (what SageMaker runs: docker run <image> serve)",
+            file=sys.stderr,
+        )
         return 2
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
