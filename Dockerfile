@@ -14,13 +14,15 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
 # NVIDIA_*: the nvidia container runtime mounts the host's driver only when these ask for it.
+# No PYTHONPATH: TorchServe puts it ahead of the extracted .mar in the worker's path, and the
+# worker must import llava/ and handlers/ from the .mar it serves (docker/serve.py finds this
+# directory's packages by itself).
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONPATH=/opt/stateful-llava
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Java 17 for TorchServe's frontend; tini as PID 1, so that `docker stop`'s SIGTERM reaches the
 # entrypoint and exited workers are reaped. Debian's versions are not pinned: a security update

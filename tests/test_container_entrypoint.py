@@ -58,7 +58,8 @@ class Container:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "container.log"
         environ = {
-            **os.environ,
+            # As in the image: no PYTHONPATH, so the worker imports llava/ from the .mar.
+            **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
             "SERVE_MODEL_DIR": str(model_dir),
             "SERVE_HOST": "127.0.0.1",
