@@ -30,13 +30,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e '.[engine,serve,dev,notebook]'
+	$(PY) -m pip install -q -e '.[engine,serve,deploy,dev,notebook]'
 	touch $@
 
 setup: $(VENV)/.installed
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/shellcheck docker/entrypoint.sh scripts/build_and_push.sh
 
 # The TorchServe tests serve the demo model's .mar (model-store/llava.mar).
 test: setup lint demo-mar
@@ -47,13 +49,14 @@ demo: demo-mar
 	$(PY) scripts/demo.py
 
 # Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn,
-# the handler's per-request cost against the number of idle sessions held, then the local
-# endpoint's hop.
+# the handler's per-request cost against the number of idle sessions held, the local
+# endpoint's hop, then what the container's /ping front adds per turn.
 bench: demo-mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
 	$(PY) scripts/bench_sessions.py
 	$(PY) scripts/bench_endpoint.py
+	$(PY) scripts/bench_front.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup

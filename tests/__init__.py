@@ -1,3 +1,3 @@
-"""Tests. A regular package, so that a site-packages "tests" cannot shadow it
-(smdebug_rulesconfig, a sagemaker SDK dependency, installs one).
-"""
+"""A regular package on purpose: the SageMaker SDK's dependency smdebug-rulesconfig installs a
+top-level ``tests`` package into site-packages, which would shadow a namespace package here
+(``from tests.conftest import ...`` would fail)."""

@@ -21,9 +21,12 @@ def pip_installs(lines: list[str]) -> list[str]:
     ]
 
 
+PROJECT = "-e '.[engine,serve,deploy,dev,notebook]'"
+
+
 def test_setup_installs_the_cpu_torch_first_by_default(tmp_path):
     installs = pip_installs(dry_run("setup", f"VENV={tmp_path}/venv"))
-    assert installs == ["--upgrade pip", "torch==2.13.0", "-e '.[serve,dev,notebook]'"]
+    assert installs == ["--upgrade pip", "torch==2.13.0", PROJECT]
 
 
 def test_setup_on_a_cuda_machine_takes_torch_from_the_index_given(tmp_path):
@@ -31,4 +34,4 @@ def test_setup_on_a_cuda_machine_takes_torch_from_the_index_given(tmp_path):
     installs = pip_installs(dry_run("setup", f"VENV={tmp_path}/venv", f"TORCH_INDEX={index}"))
     # torch alone comes from that index, before anything that depends on it
     assert installs[1] == f"torch==2.13.0 --index-url {index}"
-    assert installs[2] == "-e '.[serve,dev,notebook]'"
+    assert installs[2] == PROJECT

@@ -1,0 +1,94 @@
+"""``python -m deploy create|delete``: the serving image on a SageMaker real-time endpoint.
+
+    python -m deploy create --name llava-chat --image <ECR image URI> \\
+        --model-data s3://bucket/llava-1.5-7b-hf/ --role arn:aws:iam::<account>:role/<role> \\
+        [--instance-type ml.g5.2xlarge] [--instance-count 1] \\
+        [--startup-timeout 1800] [--download-timeout 1800] \\
+        [--env LLAVA_SESSION_TTL_S=600 ...] [--no-wait] [--region eu-west-1]
+    python -m deploy delete --name llava-chat [--region eu-west-1]
+
+``create`` prints the names of what it created, one per line, and exits 0 once the endpoint is
+InService (1 if it failed, with SageMaker's reason); ``delete`` removes the endpoint with its
+endpoint config and models. AWS credentials come from the usual places (AWS_PROFILE, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import boto3
+from botocore.exceptions import BotoCoreError, ClientError
+from sagemaker.core.utils.exceptions import SageMakerCoreError
+
+from deploy.endpoint import DeploySpec, create, delete
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--env wants KEY=VALUE, not {text!r}")
+    return key, value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy",
+        description="The serving image on a SageMaker real-time endpoint.",
+        epilog="README: Deploying to SageMaker",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--region", help="default: the AWS configuration's region")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser(
+        "create", parents=[common], help="model, endpoint config, endpoint; wait InService"
+    )
+    up.add_argument("--name", required=True, help="endpoint name (models: name-<timestamp>)")
+    up.add_argument("--image", required=True, help="ECR image URI (scripts/build_and_push.sh)")
+    up.add_argument("--model-data", required=True, help="s3://bucket/prefix/ or .../x.tar.gz")
+    up.add_argument("--role", required=True, help="SageMaker execution role ARN")
+    up.add_argument("--instance-type", default="ml.g5.2xlarge")
+    up.add_argument("--instance-count", default=1, type=int)
+    up.add_argument("--startup-timeout", default=1800, type=int, help="seconds to a 200 /ping")
+    up.add_argument("--download-timeout", default=1800, type=int, help="seconds to copy the data")
+    up.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE")
+    up.add_argument("--no-wait", action="store_true", help="return once creation has started")
+    down = commands.add_parser(
+        "delete", parents=[common], help="the endpoint, its endpoint config and models"
+    )
+    down.add_argument("--name", required=True, help="endpoint name")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        session = boto3.Session(region_name=args.region)
+        if args.command == "create":
+            spec = DeploySpec(
+                endpoint_name=args.name,
+                image=args.image,
+                model_data=args.model_data,
+                role_arn=args.role,
+                instance_type=args.instance_type,
+                instance_count=args.instance_count,
+                startup_timeout_s=args.startup_timeout,
+                download_timeout_s=args.download_timeout,
+                environment=dict(args.env),
+            )
+            for line in create(spec, session, wait=not args.no_wait).lines():
+                print(line)
+        else:
+            deleted = delete(args.name, session)
+            print("\n".join(f"deleted {what}" for what in deleted) or f"no endpoint {args.name}")
+    except ValueError as e:  # a bad argument (DeploySpec's checks)
+        print(f"deploy: {e}", file=sys.stderr)
+        return 2
+    except (ClientError, BotoCoreError, SageMakerCoreError) as e:  # AWS said no, or it failed
+        print(f"deploy {args.command}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

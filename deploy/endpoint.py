@@ -1,0 +1,192 @@
+"""Create and delete the SageMaker model, endpoint config and endpoint that serve the image.
+
+One endpoint name owns its resources: the model and the endpoint config get the endpoint's
+name plus a UTC timestamp (so a redeploy never collides with what is still in use), and
+``delete`` finds them again from the endpoint itself, so it needs only the endpoint's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import boto3
+from botocore.exceptions import ClientError
+from sagemaker.core.resources import Endpoint, EndpointConfig, Model
+from sagemaker.core.shapes import (
+    ContainerDefinition,
+    ModelDataSource,
+    ProductionVariant,
+    S3ModelDataSource,
+)
+
+# SageMaker's upper bound for both timeouts (ProductionVariant), in seconds.
+MAX_TIMEOUT_S = 3600
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    """What to deploy. ``model_data`` is ``s3://bucket/prefix/`` (copied as is to
+    /opt/ml/model: no tarball to build or unpack, right for 14 GB checkpoints) or
+    ``s3://bucket/key.tar.gz`` (unpacked into /opt/ml/model)."""
+
+    endpoint_name: str
+    image: str
+    model_data: str
+    role_arn: str
+    instance_type: str = "ml.g5.2xlarge"
+    instance_count: int = 1
+    startup_timeout_s: int = 1800  # ContainerStartupHealthCheckTimeoutInSeconds
+    download_timeout_s: int = 1800  # ModelDataDownloadTimeoutInSeconds
+    environment: dict[str, str] = field(default_factory=dict)  # LLAVA_* settings and the like
+
+    def __post_init__(self) -> None:
+        if not self.model_data.startswith("s3://"):
+            raise ValueError(f"model data must be an s3:// URI, not {self.model_data!r}")
+        if not (self.model_data.endswith("/") or self.model_data.endswith(".tar.gz")):
+            raise ValueError(
+                f"model data {self.model_data!r}: give a prefix ending in / or a .tar.gz object"
+            )
+        if self.instance_count < 1:
+            raise ValueError("instance count must be at least 1")
+        for name, seconds in (
+            ("startup", self.startup_timeout_s),
+            ("download", self.download_timeout_s),
+        ):
+            if not 60 <= seconds <= MAX_TIMEOUT_S:
+                raise ValueError(f"{name} timeout must be 60..{MAX_TIMEOUT_S} s, not {seconds}")
+
+    def container_environment(self) -> dict[str, str]:
+        # The container gives up just before SageMaker does, so the reason is in its log.
+        return {"SERVE_STARTUP_TIMEOUT_S": str(self.startup_timeout_s - 30), **self.environment}
+
+    def model_data_source(self) -> ModelDataSource:
+        prefix = self.model_data.endswith("/")
+        return ModelDataSource(
+            s3_data_source=S3ModelDataSource(
+                s3_uri=self.model_data,
+                s3_data_type="S3Prefix" if prefix else "S3Object",
+                compression_type="None" if prefix else "Gzip",
+            )
+        )
+
+
+@dataclass(frozen=True)
+class Deployed:
+    endpoint_name: str
+    endpoint_config_name: str
+    model_names: tuple[str, ...]
+    status: str
+
+    def lines(self) -> list[str]:
+        return [
+            f"model            {', '.join(self.model_names)}",
+            f"endpoint config  {self.endpoint_config_name}",
+            f"endpoint         {self.endpoint_name} ({self.status})",
+        ]
+
+
+def create(
+    spec: DeploySpec,
+    session: boto3.Session | None = None,
+    wait: bool = True,
+    wait_timeout_s: int = 3600,
+) -> Deployed:
+    """Create model, endpoint config and endpoint; with ``wait``, return once InService.
+
+    If a step fails, what the earlier steps created is deleted. An endpoint that fails while
+    starting is left for its logs to be read (SageMaker's reason is in the exception); remove
+    it with ``delete``.
+    """
+    region = session.region_name if session else None
+    name = f"{spec.endpoint_name}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    created = []  # undone, newest first, if a later step fails: a failed create leaves nothing
+    try:
+        created.append((Model, {"model_name": name}))
+        model = Model.create(
+            model_name=name,
+            primary_container=ContainerDefinition(
+                image=spec.image,
+                model_data_source=spec.model_data_source(),
+                environment=spec.container_environment(),
+            ),
+            execution_role_arn=spec.role_arn,
+            session=session,
+            region=region,
+        )
+        created.append((EndpointConfig, {"endpoint_config_name": name}))
+        config = EndpointConfig.create(
+            endpoint_config_name=name,
+            production_variants=[
+                ProductionVariant(
+                    variant_name="AllTraffic",
+                    model_name=model.model_name,
+                    instance_type=spec.instance_type,
+                    initial_instance_count=spec.instance_count,
+                    container_startup_health_check_timeout_in_seconds=spec.startup_timeout_s,
+                    model_data_download_timeout_in_seconds=spec.download_timeout_s,
+                )
+            ],
+            session=session,
+            region=region,
+        )
+        endpoint = Endpoint.create(
+            endpoint_name=spec.endpoint_name,
+            endpoint_config_name=config.endpoint_config_name,
+            session=session,
+            region=region,
+        )
+    except Exception:
+        for resource, names in reversed(created):  # by name: a create may fail after the fact
+            if (found := _get(resource, **names, session=session, region=region)) is not None:
+                found.delete()
+        raise
+    if wait:
+        endpoint.wait_for_status("InService", poll=15, timeout=wait_timeout_s)
+    endpoint.refresh()
+    return Deployed(
+        spec.endpoint_name,
+        config.endpoint_config_name,
+        (model.model_name,),
+        endpoint.endpoint_status,
+    )
+
+
+def delete(endpoint_name: str, session: boto3.Session | None = None) -> list[str]:
+    """Delete the endpoint, its endpoint config and its models; return what was deleted.
+
+    Each step tolerates what is already gone, so a delete that was interrupted can be rerun.
+    """
+    region = session.region_name if session else None
+    deleted = []
+    endpoint = _get(Endpoint, endpoint_name=endpoint_name, session=session, region=region)
+    if endpoint is None:
+        return deleted
+    config = _get(
+        EndpointConfig,
+        endpoint_config_name=endpoint.endpoint_config_name,
+        session=session,
+        region=region,
+    )
+    endpoint.delete()
+    deleted.append(f"endpoint {endpoint_name}")
+    if config is not None:
+        models = [v.model_name for v in config.production_variants]
+        config.delete()
+        deleted.append(f"endpoint config {config.endpoint_config_name}")
+        for model_name in models:
+            model = _get(Model, model_name=model_name, session=session, region=region)
+            if model is not None:
+                model.delete()
+                deleted.append(f"model {model_name}")
+    return deleted
+
+
+def _get(resource, **names):
+    """The resource, or None when SageMaker says it does not exist."""
+    try:
+        return resource.get(**names)
+    except ClientError as e:
+        if e.response["Error"]["Code"] in ("ValidationException", "ResourceNotFound"):
+            return None
+        raise

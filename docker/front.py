@@ -1,0 +1,146 @@
+"""The container's front door on port 8080: a ``/ping`` that tells the truth, and a proxy.
+
+TorchServe 0.12's own ``/ping`` answers Healthy before the model is loaded and while its
+worker crash-loops (docs/design.md §TorchServe 0.12 facts), and SageMaker sends traffic on
+the first 200. So TorchServe listens on internal loopback ports and this server owns the
+public port:
+
+- ``GET /ping``: 200 only while ``ready()`` says a worker is READY, else 503.
+- anything else (``POST /invocations`` above all) is forwarded to TorchServe's inference API
+  unchanged, and its reply is relayed as it arrives: a streamed (chunked) reply leaves here
+  chunk by chunk, so ``"stream": true`` still streams through the front.
+
+Threads, not asyncio: one request at a time reaches the single worker anyway, and the stdlib
+keeps the container free of another web framework.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# Per-connection headers (RFC 9110 §7.6.1): they describe one hop, so they are not forwarded.
+# Content-Length is set again for the body actually sent; Expect: 100-continue was answered here.
+HOP_BY_HOP = frozenset(
+    {
+        "expect",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+    }
+)
+RELAY_CHUNK = 64 * 1024
+
+
+class Front(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        upstream: tuple[str, int],
+        ready: Callable[[], bool],
+        upstream_timeout_s: float = 600.0,
+    ):
+        super().__init__(address, _FrontHandler)
+        self.upstream = upstream
+        self.ready = ready
+        self.upstream_timeout_s = upstream_timeout_s
+
+
+class _FrontHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Front
+
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] == "/ping":
+            self._ping()
+        else:
+            self._forward()
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_POST(self) -> None:
+        self._forward()
+
+    def do_PUT(self) -> None:
+        self._forward()
+
+    def do_DELETE(self) -> None:
+        self._forward()
+
+    def _ping(self) -> None:
+        ready = self.server.ready()
+        self._reply_json(200 if ready else 503, {"status": "READY" if ready else "NOT_READY"})
+
+    def _forward(self) -> None:
+        body = self._read_body()
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+        upstream = http.client.HTTPConnection(
+            *self.server.upstream, timeout=self.server.upstream_timeout_s
+        )
+        try:
+            try:
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                reply = upstream.getresponse()
+            except OSError as e:  # TorchServe not (yet, or no longer) listening
+                message = f"model server unavailable: {e}"
+                self._reply_json(503, {"error": {"code": "NOT_READY", "message": message}})
+                return
+            self._relay(reply)
+        finally:
+            upstream.close()
+
+    def _relay(self, reply: http.client.HTTPResponse) -> None:
+        self.send_response_only(reply.status, reply.reason or None)  # TorchServe sends none
+        for name, value in reply.getheaders():
+            if name.lower() not in HOP_BY_HOP:
+                self.send_header(name, value)
+        if reply.chunked or reply.length is None:
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            while piece := reply.read1(RELAY_CHUNK):  # whatever has arrived, without waiting
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            payload = reply.read()
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(payload)
+
+    def _read_body(self) -> bytes | None:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return self._read_chunked()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else None
+
+    def _read_chunked(self) -> bytes:
+        parts = []
+        while size := int(self.rfile.readline().split(b";")[0], 16):
+            parts.append(self.rfile.read(size))
+            self.rfile.readline()  # the CRLF after each chunk
+        while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+            pass
+        return b"".join(parts)
+
+    def _reply_json(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
+        pass  # TorchServe's access log already records every forwarded request

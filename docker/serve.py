@@ -1,0 +1,228 @@
+"""Container entrypoint: ``serve`` = TorchServe behind a truthful ``/ping`` (docker/front.py).
+
+SageMaker runs ``docker run <image> serve`` and then polls ``GET /ping`` on port 8080 until
+it answers 200; model data is under ``/opt/ml/model``. This process
+
+1. checks the settings (a bad one stops the start with one clear line, exit 2);
+2. finds the model under the model directory, in this order:
+   - exactly one ``*.mar``: served as is (weights inside it, or ``make mar
+     MAR_WEIGHTS=reference MODEL_DIR=/opt/ml/model/<dir>`` for weights beside it);
+   - a checkpoint (``config.json``) in the directory itself: archived at start with our
+     handler, the weights referenced in place (nothing is copied);
+3. starts the front on the public port at once (``/ping`` 503) and TorchServe on internal
+   loopback ports, and waits until the management API reports a READY worker (``/ping`` 200);
+4. exits non-zero when TorchServe exits, when the worker crash-loops while loading, or when
+   no worker is READY within ``SERVE_STARTUP_TIMEOUT_S``; exits 0 on SIGTERM after stopping
+   TorchServe. A container that exits is restarted or replaced by SageMaker, which is better
+   than one that crash-loops forever behind a 200.
+
+Engine settings reach the worker as ``LLAVA_*`` variables (README "Configuration"). The
+entrypoint's own settings, all overridable so that tests run it unprivileged on loopback:
+
+    SERVE_MODEL_DIR          /opt/ml/model
+    SERVE_HOST               0.0.0.0      address of the public port
+    SERVE_PORT               8080         (SAGEMAKER_BIND_TO_PORT wins when SageMaker sets it)
+    SERVE_TS_PORTS           8180,8181,8182   TorchServe inference, management, metrics (loopback)
+    SERVE_WORK_DIR           /tmp/llava-serve  TorchServe's logs, temp files, generated .mar
+    SERVE_STARTUP_TIMEOUT_S  1800         from start to a READY worker
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from front import Front  # noqa: E402 (docker/ is this script's own directory)
+
+from llava.config import ENV_PREFIX, EngineConfig, env_overrides  # noqa: E402
+from scripts.make_mar import build_mar  # noqa: E402
+from scripts.torchserve_ctl import TorchServeError, TorchServeInstance  # noqa: E402
+
+MODEL_NAME = "llava"
+
+
+class SettingError(ValueError):
+    """A setting or model layout that cannot work: reported as one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_dir: Path = Path("/opt/ml/model")
+    host: str = "0.0.0.0"
+    port: int = 8080
+    ts_ports: tuple[int, int, int] = (8180, 8181, 8182)
+    work_dir: Path = Path("/tmp/llava-serve")
+    startup_timeout_s: float = 1800.0
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str]) -> Settings:
+        defaults = cls()
+        try:
+            ports = environ.get("SERVE_TS_PORTS")
+            settings = cls(
+                model_dir=Path(environ.get("SERVE_MODEL_DIR", defaults.model_dir)),
+                host=environ.get("SERVE_HOST", defaults.host),
+                port=int(
+                    environ.get("SAGEMAKER_BIND_TO_PORT")
+                    or environ.get("SERVE_PORT", defaults.port)
+                ),
+                ts_ports=tuple(int(p) for p in ports.split(",")) if ports else defaults.ts_ports,
+                work_dir=Path(environ.get("SERVE_WORK_DIR", defaults.work_dir)),
+                startup_timeout_s=float(
+                    environ.get("SERVE_STARTUP_TIMEOUT_S", defaults.startup_timeout_s)
+                ),
+            )
+        except ValueError as e:
+            raise SettingError(f"bad SERVE_* setting: {e}") from None
+        if len(settings.ts_ports) != 3 or settings.port in settings.ts_ports:
+            raise SettingError(
+                "SERVE_TS_PORTS must be three ports (inference,management,metrics) "
+                f"other than the public port {settings.port}"
+            )
+        return settings
+
+
+def check_engine_env(environ: dict[str, str]) -> None:
+    """Fail on a misspelt ``LLAVA_*`` name, which the engine would otherwise ignore."""
+    known = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    if unknown:
+        raise SettingError(
+            f"unknown setting {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    try:
+        EngineConfig.from_mapping({"model_dir": "-", **env_overrides(environ)})
+    except (TypeError, ValueError) as e:
+        raise SettingError(f"bad LLAVA_* setting: {e}") from None
+
+
+def resolve_model(model_dir: Path, work_dir: Path) -> tuple[Path, str]:
+    """The model store and model name to serve from ``model_dir`` (see the module docstring)."""
+    if not model_dir.is_dir():
+        raise SettingError(f"model directory {model_dir} not found")
+    mars = sorted(model_dir.glob("*.mar"))
+    if len(mars) > 1:
+        raise SettingError(f"{len(mars)} .mar files in {model_dir}, expected one: {mars}")
+    if mars:
+        _check_referenced_weights(mars[0])
+        return model_dir, mars[0].stem
+    if (model_dir / "config.json").is_file():
+        store = work_dir / "model-store"
+        build_mar(model_dir, "reference", export_path=store, model_name=MODEL_NAME)
+        return store, MODEL_NAME
+    raise SettingError(
+        f"no model in {model_dir}: expected one .mar (make mar) or a checkpoint (config.json)"
+    )
+
+
+def _check_referenced_weights(mar: Path) -> None:
+    """A .mar archived with ``--weights reference`` names an absolute directory: it must exist."""
+    try:
+        with zipfile.ZipFile(mar) as archive:
+            config = yaml.safe_load(archive.read("model-config.yaml")) or {}
+    except (zipfile.BadZipFile, KeyError, yaml.YAMLError) as e:
+        raise SettingError(f"{mar} is not a .mar built by make mar: {e}") from None
+    weights = Path(config.get("handler", {}).get("model_dir", "."))
+    if weights.is_absolute() and not weights.is_dir():
+        raise SettingError(f"{mar.name} references weights at {weights}, which is not there")
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT: stop TorchServe and exit 0."""
+
+
+def _on_signal(signum, frame) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not abort the cleanup
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _follow(path: Path, done: threading.Event) -> None:
+    """Copy TorchServe's console output (frontend and worker logs) to ours: the container log."""
+    while not path.exists() and not done.wait(0.2):
+        pass
+    with open(path, "rb") as log:
+        while True:
+            if line := log.readline():
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+            elif done.wait(0.2):
+                return
+
+
+def serve(settings: Settings) -> int:
+    store, name = resolve_model(settings.model_dir, settings.work_dir)
+    inference, management, metrics = settings.ts_ports
+    ts = TorchServeInstance(
+        settings.work_dir / "ts", inference, management, metrics, store, name, host="127.0.0.1"
+    )
+    try:
+        front = Front(
+            (settings.host, settings.port),
+            ("127.0.0.1", inference),
+            ready=lambda: ts.worker_pid() is not None,
+        )
+    except OSError as e:
+        raise SettingError(f"cannot listen on {settings.host}:{settings.port}: {e}") from None
+    threading.Thread(target=front.serve_forever, name="front", daemon=True).start()
+    done = threading.Event()
+    (ts.root / "torchserve.out").unlink(missing_ok=True)  # the follower must see the new one
+    threading.Thread(target=_follow, args=(ts.root / "torchserve.out", done), daemon=True).start()
+    began = time.monotonic()
+    print(f"serve: {name} from {store} on {settings.host}:{settings.port}", flush=True)
+    try:
+        ts.start(settings.startup_timeout_s)
+        print(f"serve: READY in {time.monotonic() - began:.1f} s", flush=True)
+        while ts.java_pid() is not None:
+            time.sleep(1.0)
+        print("serve: TorchServe exited", file=sys.stderr, flush=True)
+        return 1
+    except TorchServeError as e:
+        print(f"serve: TorchServe did not start: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Stopped as e:
+        print(f"serve: {e}, stopping", flush=True)
+        return 0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # nothing interrupts the cleanup
+            signal.signal(sig, signal.SIG_IGN)
+        front.shutdown()
+        front.server_close()
+        ts.stop()
+        done.set()
+
+
+def main(argv: list[str]) -> int:
+    if argv != ["serve"]:
+        print(
+            "usage: serve.py serve   (what SageMaker runs: docker run <image> serve)",
+            file=sys.stderr,
+        )
+        return 2
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        settings = Settings.from_env(dict(os.environ))
+        check_engine_env(os.environ)
+        return serve(settings)
+    except SettingError as e:
+        print(f"serve: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Stopped:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,134 @@
+"""The image's build side, without a Docker engine (none exists here):
+
+- the files the Dockerfile copies are enough to run the entrypoint (run from a copy of just
+  those files, with the image's PYTHONPATH);
+- scripts/build_and_push.sh calls ECR login, build, tag and push in order, with `docker` and
+  `aws` replaced by stubs that record their arguments (stand-ins only because neither a Docker
+  engine nor an AWS account is reachable here), and fails with a readable line when it must.
+
+hadolint and shellcheck run in `make lint`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+ACCOUNT = "123456789012"
+
+
+def dockerfile_copies() -> list[str]:
+    """The sources of the Dockerfile's COPY instructions."""
+    sources = []
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if match := re.match(r"COPY\s+(.+)\s+\S+$", line):
+            sources += match.group(1).split()
+    return sources
+
+
+def test_image_files_are_enough_to_run_the_entrypoint(tmp_path):
+    image = tmp_path / "opt" / "stateful-llava"
+    image.mkdir(parents=True)
+    for source in dockerfile_copies():
+        path = REPO / source
+        if path.is_dir():
+            shutil.copytree(path, image / source, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(path, image / source)
+    (tmp_path / "model").mkdir()
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # none in the image
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "SERVE_MODEL_DIR": str(tmp_path / "model"),
+    }
+    run = subprocess.run(
+        [image / "docker" / "entrypoint.sh", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    # Every import resolved inside the copy; it stopped only because the model dir is empty.
+    assert run.returncode == 2 and "serve: no model in" in run.stderr, run.stderr
+
+
+STUB = """#!/bin/sh
+echo "$(basename "$0") $*" >> "{log}"
+case "$(basename "$0") $*" in
+  "aws sts get-caller-identity"*) {sts} ;;
+  "aws ecr describe-repositories"*) exit 254 ;;
+  "aws ecr get-login-password"*) echo secret ;;
+  "docker login"*) cat > /dev/null ;;
+esac
+"""
+
+
+def stubbed_path(tmp_path: Path, sts: str) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("docker", "aws"):
+        stub = bin_dir / tool
+        stub.write_text(STUB.format(log=tmp_path / "calls.log", sts=sts))
+        stub.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "AWS_REGION": "eu-west-1"}
+
+
+def build_and_push(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [REPO / "scripts" / "build_and_push.sh", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_build_and_push_logs_in_builds_tags_and_pushes(tmp_path):
+    env = stubbed_path(tmp_path, sts=f"echo {ACCOUNT}")
+    run = build_and_push(env, "--repository", "llava-test", "--tag", "v1")
+    assert run.returncode == 0, run.stderr
+    image = f"{ACCOUNT}.dkr.ecr.eu-west-1.amazonaws.com/llava-test:v1"
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    # The login pipe's two ends run at once: their order in the log is either.
+    calls[4:6] = sorted(calls[4:6], key=lambda c: c.startswith("docker"))
+    assert [c.split()[:2] for c in calls] == [
+        ["docker", "info"],
+        ["aws", "sts"],
+        ["aws", "ecr"],  # describe-repositories: not there ...
+        ["aws", "ecr"],  # ... so create-repository
+        ["aws", "ecr"],  # get-login-password | docker login
+        ["docker", "login"],
+        ["docker", "build"],
+        ["docker", "push"],
+    ]
+    assert "create-repository" in calls[3] and "--repository-name llava-test" in calls[3]
+    assert "get-login-password" in calls[4]
+    assert f"--password-stdin {ACCOUNT}.dkr.ecr.eu-west-1.amazonaws.com" in calls[5]
+    assert f"-t {image} " in calls[6] and calls[6].endswith(str(REPO / "scripts" / ".."))
+    assert calls[7] == f"docker push {image}"
+    assert f"pushed {image}" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "sts, args, message",
+    [
+        ("exit 255", [], "no AWS credentials"),
+        (f"echo {ACCOUNT}", ["--tag"], "--tag needs a value"),
+        (f"echo {ACCOUNT}", ["--colour", "red"], "unknown argument: --colour"),
+    ],
+)
+def test_build_and_push_failures_say_what_to_do(tmp_path, sts, args, message):
+    run = build_and_push(stubbed_path(tmp_path, sts), *args)
+    assert run.returncode != 0
+    assert message in run.stderr
+    log = tmp_path / "calls.log"
+    assert "docker build" not in (log.read_text() if log.exists() else "")

@@ -1,0 +1,159 @@
+"""docker/front.py against a real upstream HTTP server on loopback: /ping follows readiness,
+requests pass through unchanged, and a streamed reply leaves the front chunk by chunk.
+(The front in front of a real TorchServe: tests/test_container_entrypoint.py.)
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+
+from scripts.torchserve_ctl import free_ports
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "docker"))
+from front import Front  # noqa: E402
+
+WAIT_S = 20
+
+
+class Upstream(ThreadingHTTPServer):
+    """Echoes a POST's path, headers and body; ``/stream`` sends two chunks and, between
+    them, waits until the test has received the first one through the front."""
+
+    daemon_threads = True
+
+    def __init__(self):
+        self.first_chunk_seen = threading.Event()
+        super().__init__(("127.0.0.1", 0), _UpstreamHandler)
+
+
+class _UpstreamHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Upstream
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path == "/stream":
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self._chunk(b"first\n")
+            self.server.first_chunk_seen.wait(WAIT_S)
+            self._chunk(b"second\n")
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        echo = json.dumps(
+            {"path": self.path, "body": body.decode(), "session": self.headers["X-Session"]}
+        ).encode()
+        self.send_response(418 if self.path == "/teapot" else 200)
+        self.send_header("X-Reply-Header", "kept")
+        self.send_header("Content-Length", str(len(echo)))
+        self.end_headers()
+        self.wfile.write(echo)
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def log_message(self, *args):
+        pass
+
+
+def serving(server: ThreadingHTTPServer) -> ThreadingHTTPServer:
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def upstream():
+    server = serving(Upstream())
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def readiness():
+    return {"ready": False}
+
+
+@pytest.fixture
+def front(upstream, readiness):
+    server = serving(
+        Front(("127.0.0.1", 0), upstream.server_address, ready=lambda: readiness["ready"])
+    )
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_ping_follows_readiness(front, readiness):
+    assert requests.get(f"{front}/ping", timeout=WAIT_S).status_code == 503
+    readiness["ready"] = True
+    assert requests.get(f"{front}/ping", timeout=WAIT_S).status_code == 200
+    readiness["ready"] = False  # a worker that died and is being restarted
+    assert requests.get(f"{front}/ping", timeout=WAIT_S).json() == {"status": "NOT_READY"}
+
+
+@pytest.mark.parametrize("path", ["/invocations", "/teapot"])
+def test_requests_pass_through_unchanged(front, path):
+    reply = requests.post(
+        f"{front}{path}", data=b'{"q": 1}', headers={"X-Session": "abc"}, timeout=WAIT_S
+    )
+    assert reply.status_code == (418 if path == "/teapot" else 200)
+    assert reply.headers["X-Reply-Header"] == "kept"
+    assert reply.json() == {"path": path, "body": '{"q": 1}', "session": "abc"}
+
+
+def test_chunked_request_body_is_forwarded_whole(front):
+    reply = requests.post(
+        f"{front}/invocations",
+        data=iter([b'{"q": ', b"2}"]),  # a generator body goes out chunked
+        headers={"X-Session": "c"},
+        timeout=WAIT_S,
+    )
+    assert reply.json()["body"] == '{"q": 2}'
+
+
+def test_streamed_reply_leaves_chunk_by_chunk(front, upstream):
+    """The upstream holds its second chunk back until the first has come out of the front:
+    a front that buffered the reply would never deliver the first, and this would time out."""
+    with requests.post(f"{front}/stream", data=b"{}", stream=True, timeout=WAIT_S) as reply:
+        assert reply.headers["Transfer-Encoding"] == "chunked"
+        lines = reply.iter_lines()
+        assert next(lines) == b"first"
+        upstream.first_chunk_seen.set()
+        assert next(lines) == b"second"
+
+
+def test_upstream_down_is_a_json_503(readiness):
+    (closed_port,) = free_ports(1)  # nothing listens there
+    server = serving(Front(("127.0.0.1", 0), ("127.0.0.1", closed_port), ready=lambda: True))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=WAIT_S)
+        conn.request("POST", "/invocations", body=b"{}")
+        reply = conn.getresponse()
+        assert reply.status == 503
+        assert json.loads(reply.read())["error"]["code"] == "NOT_READY"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_expect_continue_is_answered_by_the_front(front):
+    """curl sends ``Expect: 100-continue`` with bodies over 1 MB; the front answers it itself."""
+    body = b'{"b64": "%s"}' % (b"A" * 2_000_000)
+    reply = requests.post(
+        f"{front}/invocations",
+        data=body,
+        headers={"Expect": "100-continue", "X-Session": "e"},
+        timeout=WAIT_S,
+    )
+    assert reply.status_code == 200 and len(reply.json()["body"]) == len(body)
