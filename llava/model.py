@@ -65,7 +65,7 @@ def load_model(
     ).to(torch_device)
     model.eval()
     prompt = ChatPrompt(processor)
-    prompt.check_append_only()
+    prompt.check_stateful()
     return LoadedModel(
         model=model,
         processor=processor,

@@ -61,14 +61,14 @@ def kv_conversation(engine: Engine, image, turns: int, params: dict):
 def replay(engine: Engine, mode: str, image, prompts, params: GenerationParams):
     """Answer each recorded prompt from scratch, redoing what ``mode`` does not cache."""
     loaded = engine.loaded
-    opening = loaded.prompt.opening(with_image=True)
-    pixels = loaded.processor(text=opening, images=image, return_tensors="pt").pixel_values
+    preprocess = loaded.processor.image_processor
+    pixels = preprocess(images=image, return_tensors="pt").pixel_values
     features = engine._image_features(pixels)
     timings = []
     for prompt in prompts:
         start = time.perf_counter()
         if mode == "stateless":
-            pixels = loaded.processor(text=opening, images=image, return_tensors="pt").pixel_values
+            pixels = preprocess(images=image, return_tensors="pt").pixel_values
         if mode in ("stateless", "pixels"):
             features = engine._image_features(pixels)
         setup = time.perf_counter() - start
