@@ -143,6 +143,10 @@ def test_special_token_strings_in_questions_are_plain_text(engine, image):
         assert [i for i in prompt if i in specials and i != image_id] == prompt[:1]  # BOS only
 
 
+def collect_into(chunks: list[str]):
+    return lambda text, _token_id: chunks.append(text)
+
+
 def test_fifty_hot_sampled_turns_never_break_the_session(engine, image):
     session_id = engine.open(image).session_id
     banned = set(engine._banned_ids)
@@ -150,7 +154,7 @@ def test_fifty_hot_sampled_turns_never_break_the_session(engine, image):
     for turn in range(50):
         question = SPECIAL_QUESTIONS[turn % len(SPECIAL_QUESTIONS)] + f" #{turn}"
         chunks: list[str] = []
-        answer = engine.ask(session_id, question, params, on_token=lambda t, _i: chunks.append(t))
+        answer = engine.ask(session_id, question, params, on_token=collect_into(chunks))
         assert not banned & set(answer.token_ids)
         assert "".join(chunks) == answer.text
     assert engine.store._sessions[session_id].turns == 50
