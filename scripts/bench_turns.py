@@ -50,8 +50,7 @@ def kv_conversation(engine: Engine, image, turns: int, params: dict):
     for turn in range(turns):
         answer = engine.ask(session_id, QUESTIONS[turn % len(QUESTIONS)], params)
         history = engine.store._sessions[session_id].token_ids
-        closing = 0 if answer.finished else 1
-        prompts.append(history[: len(history) - len(answer.token_ids) - closing])
+        prompts.append(history[: answer.cached_tokens + answer.new_tokens])
         timings.append((answer.ttft_s, answer.total_s))
     held = engine.store._sessions[session_id].nbytes
     engine.close(session_id)

@@ -101,7 +101,8 @@ def hf_generate(engine: Engine, inputs: dict) -> list[int]:
 def last_prompt(engine: Engine, session_id: str, answer) -> list[int]:
     """The history holds the last prompt, then the answer's ids without its end token."""
     history = engine.store._sessions[session_id].token_ids
-    return history[: len(history) - len(answer.token_ids) + (1 if answer.finished else 0)]
+    kept = len(answer.token_ids) - (1 if answer.finished else 0)
+    return history[: len(history) - kept]
 
 
 @pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
@@ -114,7 +115,7 @@ def test_every_turn_prompt_is_the_canonical_tokenization(engine, image, with_ima
         inputs = hf_inputs(engine.loaded, conversation(turns, question, img))
         canonical = inputs["input_ids"][0].tolist()
         assert last_prompt(engine, session_id, answer) == canonical, question
-        assert answer.cached_tokens + answer.new_tokens == len(canonical)
+        assert answer.cached_tokens + answer.new_tokens == len(canonical)  # usage adds up
         assert list(answer.token_ids) == hf_generate(engine, inputs), question
         turns.append((question, answer.text))
     assert engine.store._sessions[session_id].turns == len(QUESTIONS)

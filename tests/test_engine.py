@@ -57,9 +57,9 @@ def full_recompute(engine: Engine, prompt_ids: list[int], image, max_new: int) -
 
 
 def prompt_of_last_turn(engine: Engine, session_id: str, answer) -> list[int]:
-    """The history holds the prompt, then the answer's ids without its end token."""
+    """The history starts with the turn's prompt: the ids reused from the cache + prefilled."""
     history = engine.store._sessions[session_id].token_ids
-    return history[: len(history) - len(answer.token_ids) + (1 if answer.finished else 0)]
+    return history[: answer.cached_tokens + answer.new_tokens]
 
 
 @pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
