@@ -75,10 +75,12 @@ def decode(
     params: GenerationParams,
     eos_token_ids: frozenset[int],
     on_token: Callable[[int], None] | None = None,
+    banned_ids: list[int] | None = None,
 ) -> Decoded:
     """Prefill ``history[cache length:]`` then decode up to ``params.max_new_tokens`` ids.
 
-    Afterwards the cache holds every id of ``history`` and every generated id but the last.
+    ``banned_ids`` are never generated (llava.logits_mask). Afterwards the cache holds every id
+    of ``history`` and every generated id but the last.
     """
     start = time.perf_counter()
     tail = history[cache.get_seq_length() :]
@@ -92,7 +94,9 @@ def decode(
     prefill_s = time.perf_counter() - start
     generated: list[int] = []
     eos = torch.tensor(sorted(eos_token_ids), device=logits.device)
+    banned = torch.tensor(banned_ids or [], dtype=torch.long, device=logits.device)
     while True:
+        logits = logits.index_fill(0, banned, float("-inf"))
         if len(generated) < params.min_new_tokens:
             logits = logits.index_fill(0, eos, float("-inf"))
         token = _pick(logits, params, generator)

@@ -1,13 +1,11 @@
 """The demo model's dialogues as token ids, and its held-out evaluation.
 
-Training (``scripts/build_demo_model.py``) and evaluation (here, and ``tests/test_demo_model.py``)
-build a conversation's token ids exactly the way the engine does, through
-:class:`llava.prompt.ChatPrompt`: the first turn is the processor's ids for
-``first_turn(question, with_image=True)`` (BOS and the expanded image tokens included), every
-answer is its words' ids plus EOS, and every later turn is the tokenizer's ids for
-``follow_up(question)`` without special tokens. Evaluation then decodes greedily until EOS and
-appends exactly the generated ids, as the engine does; a model that passes here answers the
-same way when served.
+Evaluation (here, and ``tests/test_demo_model.py``) runs through :class:`llava.engine.Engine`,
+one session per dialogue, greedy: what is scored is exactly what a served session answers.
+Training (``scripts/build_demo_model.py``) builds conversations with :class:`DialogueTokens`
+from the canonical prompt ids (:class:`llava.prompt.ChatPrompt`): the whole conversation
+rendered by the chat template and tokenized at once, answers without an end token inside the
+history, EOS as the target after an answer's last id.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from llava.prompt import ChatPrompt
+from llava.prompt import ChatPrompt, assistant_message, user_message
 from llava.synthetic import HELD_OUT_SEED_START, ShapeSample, held_out_samples
 
 COLOR_QUESTION = "What color is the shape?"
@@ -40,7 +38,7 @@ EVAL_DIALOGUES = (
 
 @dataclass(frozen=True)
 class DialogueTokens:
-    """Token ids of the pieces of a conversation, as the engine appends them."""
+    """Canonical token ids of a conversation's pieces, as the engine's prompts hold them."""
 
     processor: object
 
@@ -54,24 +52,24 @@ class DialogueTokens:
 
     def first_turn(self, question: str, image: Image.Image) -> tuple[list[int], torch.Tensor]:
         """Ids of the image + first question (BOS and expanded image tokens), and pixels."""
-        text = ChatPrompt(self.processor).first_turn(question, with_image=True)
+        text = ChatPrompt(self.processor).render([user_message(question, with_image=True)])
         inputs = self.processor(text=text, images=image, return_tensors="pt")
         return inputs.input_ids[0].tolist(), inputs.pixel_values
 
     def follow_up(self, question: str) -> list[int]:
-        text = ChatPrompt(self.processor).follow_up(question)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        """The ids a follow-up appends after an answer (diffed from canonical prompts)."""
+        prompt = ChatPrompt(self.processor)
+        first = [user_message(QUESTIONS[0])]
+        answer = assistant_message("red")
+        before = prompt.ids(first) + self.answer("red")[:-1]
+        after = prompt.ids([*first, answer, user_message(question)])
+        if after[: len(before)] != before:
+            raise ValueError("the template does not append a follow-up to the answer's ids")
+        return after[len(before) :]
 
     def answer(self, text: str) -> list[int]:
-        """An answer as the engine stores it: the generated ids, ending with EOS."""
+        """An answer as generated: its words' ids, ending with EOS (not kept in the history)."""
         return self.tokenizer(text, add_special_tokens=False).input_ids + [self.eos_id]
-
-    def engine_first_turn(self, question: str, image: Image.Image) -> list[int]:
-        """The same first turn split as the engine prefills it: opening at open, then question."""
-        prompt = ChatPrompt(self.processor)
-        opening = self.processor(text=prompt.opening(with_image=True), images=image).input_ids
-        question_text = prompt.first_question(question, with_image=True)
-        return list(opening[0]) + self.tokenizer(question_text, add_special_tokens=False).input_ids
 
 
 def answer_for(question: str, sample: ShapeSample, previous: str | None) -> str:
@@ -87,44 +85,26 @@ def answer_for(question: str, sample: ShapeSample, previous: str | None) -> str:
     raise ValueError(f"the demo model knows no question {question!r}")
 
 
-@torch.inference_mode()
-def greedy_answer(
-    model, ids: list[int], pixel_values: torch.Tensor, eos_id: int, max_new_tokens: int = 4
-) -> list[int]:
-    """Greedy ids after ``ids`` until EOS (included) or ``max_new_tokens``; full recompute."""
-    pixel_values = pixel_values.to(model.device, model.dtype)
-    generated: list[int] = []
-    while len(generated) < max_new_tokens:
-        input_ids = torch.tensor([ids + generated], device=model.device)
-        logits = model(input_ids=input_ids, pixel_values=pixel_values, logits_to_keep=1).logits
-        generated.append(int(logits[0, -1].argmax()))
-        if generated[-1] == eos_id:
-            break
-    return generated
+def evaluate(loaded, samples: Sequence[ShapeSample]) -> dict[str, float]:
+    """Exact-match accuracy per question kind: one engine session per dialogue, greedy."""
+    from llava.config import EngineConfig
+    from llava.engine import Engine
+    from llava.store import SessionStore
 
-
-def evaluate(model, processor, samples: Sequence[ShapeSample]) -> dict[str, float]:
-    """Exact-match accuracy per question kind, generating greedily turn after turn."""
-    pieces = DialogueTokens(processor)
-    follow_ups = {q: pieces.follow_up(q) for q in QUESTIONS}
+    engine = Engine(loaded, SessionStore(budget_bytes=1 << 34), EngineConfig(model_dir="-"))
     right = dict.fromkeys(KINDS, 0)
     total = dict.fromkeys(KINDS, 0)
-    model.eval()
+    loaded.model.eval()
     for sample in samples:
         for dialogue in EVAL_DIALOGUES:
-            ids: list[int] = []
-            pixel_values = None
+            session_id = engine.open(sample.image).session_id
             truth = None
-            for turn, (question, kind) in enumerate(dialogue):
-                if turn == 0:
-                    ids, pixel_values = pieces.first_turn(question, sample.image)
-                else:
-                    ids = ids + follow_ups[question]
+            for question, kind in dialogue:
                 truth = answer_for(question, sample, truth)
-                generated = greedy_answer(model, ids, pixel_values, pieces.eos_id)
-                ids = ids + generated
+                answer = engine.ask(session_id, question, {"max_new_tokens": 4})
                 total[kind] += 1
-                right[kind] += generated == pieces.answer(truth)
+                right[kind] += answer.finished and answer.text == truth
+            engine.close(session_id)
     return {kind: right[kind] / total[kind] for kind in KINDS}
 
 
@@ -133,4 +113,4 @@ def evaluate_dir(model_dir: str, n: int = 100, seed: int = HELD_OUT_SEED_START) 
     from llava.model import load_model
 
     loaded = load_model(model_dir, device="cpu", dtype="float32")
-    return evaluate(loaded.model, loaded.processor, held_out_samples(n, seed))
+    return evaluate(loaded, held_out_samples(n, seed))

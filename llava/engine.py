@@ -17,13 +17,15 @@ from PIL import Image
 from transformers import DynamicCache
 
 from llava.config import EngineConfig
-from llava.decoding import decode, prefill
+from llava.decoding import Decoded, decode, prefill
+from llava.detokenizer import Detokenizer
 from llava.errors import InvalidRequest
 from llava.generation import GenerationParams
+from llava.logits_mask import banned_token_ids
 from llava.model import LoadedModel, load_model
+from llava.prompt import assistant_message, common_prefix_length, user_message
 from llava.session import Session, Tier
 from llava.store import SessionStore, StoreStats, new_session_id
-from llava.streaming import TextDeltas
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class Engine:
         self.loaded = loaded
         self.store = store
         self.config = config
+        self._banned_ids = banned_token_ids(
+            loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -70,7 +75,7 @@ class Engine:
         start = time.perf_counter()
         size = self.loaded.processor.image_processor.crop_size
         blank = Image.new("RGB", (size["width"], size["height"]))
-        ids, features = self._encode_opening(self.loaded.prompt.opening(with_image=True), blank)
+        ids, features = self._encode_opening(blank)
         cache = DynamicCache()
         prefill(self.loaded.model, ids, cache, features)
         prefill(self.loaded.model, ids[-1:], cache)
@@ -85,8 +90,7 @@ class Engine:
         """
         if session_id is not None:
             self.store.check_id_free(session_id)
-        opening = self.loaded.prompt.opening(with_image=image is not None)
-        ids, features = self._encode_opening(opening, image)
+        ids, features = self._encode_opening(image)
         cache = DynamicCache()
         if ids:
             prefill(self.loaded.model, ids, cache, features)
@@ -119,35 +123,44 @@ class Engine:
         )
         question = self._check_question(question)
         with self.store.use(session_id) as session:
-            tier, cached = session.tier, session.cached_tokens
-            history = session.token_ids + self._turn_ids(session, question)
-            self._check_length(len(history) + params.max_new_tokens)
-            deltas = TextDeltas(self.loaded.tokenizer)
-            stream = None if on_token is None else lambda t: on_token(deltas.push(t), t)
-            if session.cache is None:
-                session.cache = DynamicCache()
-            try:
+            tier = session.tier
+            first_has_image = not session.messages and session.image_features is not None
+            messages = [*session.messages, user_message(question, first_has_image)]
+            prompt = self._prompt_ids(session, messages)
+            self._check_length(len(prompt) + params.max_new_tokens)
+            try:  # a turn is atomic: the session commits below, or it is demoted here
+                cached = self._reuse_cache(session, prompt)
+                detokenizer = Detokenizer(self.loaded.tokenizer)
+
+                def stream(token_id: int) -> None:
+                    text = detokenizer.push(token_id)
+                    if on_token is not None:
+                        on_token(text, token_id)
+
                 decoded = decode(
                     self.loaded.model,
-                    history,
+                    prompt,
                     session.cache,
                     session.image_features,
                     params,
                     self.loaded.eos_token_ids,
                     stream,
+                    self._banned_ids,
                 )
+                held_back = detokenizer.flush()
+                if on_token is not None and held_back:
+                    on_token(held_back, None)
             except BaseException:
-                session.demote()  # the cache may hold a partial turn; the history does not
+                session.demote()  # the cache may hold a partial turn; history and messages do not
                 raise
-            held_back = deltas.flush()
-            if on_token is not None and held_back:
-                on_token(held_back, None)
-            session.token_ids = history + list(decoded.token_ids) + self._closing(decoded)
+            text = detokenizer.text
+            session.token_ids = prompt + _answer_ids(decoded)
+            session.messages = [*messages, assistant_message(text)]
             session.turns += 1
         self.store.record_turn(decoded.prefill_tokens, cached)
         return Answer(
             session_id=session_id,
-            text=self.loaded.tokenizer.decode(decoded.token_ids, skip_special_tokens=True),
+            text=text,
             token_ids=decoded.token_ids,
             finished=decoded.finished,
             new_tokens=decoded.prefill_tokens,
@@ -166,13 +179,13 @@ class Engine:
         return self.store.stats()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _encode_opening(
-        self, opening: str, image: Image.Image | None
-    ) -> tuple[list[int], torch.Tensor | None]:
+    def _encode_opening(self, image: Image.Image | None) -> tuple[list[int], torch.Tensor | None]:
+        """The opening's ids (image tokens expanded) and the image features, if any."""
         if image is None:
-            return self.loaded.tokenizer(opening).input_ids, None
-        inputs = self.loaded.processor(text=opening, images=image, return_tensors="pt")
-        return inputs.input_ids[0].tolist(), self._image_features(inputs.pixel_values)
+            return self.loaded.prompt.opening_ids(with_image=False), None
+        pixels = self.loaded.processor.image_processor(images=image, return_tensors="pt")
+        features = self._image_features(pixels.pixel_values)
+        return self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0]), features
 
     @torch.inference_mode()
     def _image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -184,20 +197,28 @@ class Engine:
             pooled = torch.cat(list(pooled), dim=0)
         return pooled.reshape(-1, pooled.shape[-1])
 
-    def _turn_ids(self, session: Session, question: str) -> list[int]:
-        prompt = self.loaded.prompt
-        if session.turns:
-            text = prompt.follow_up(question)
-        else:
-            text = prompt.first_question(question, with_image=session.image_features is not None)
-        return self.loaded.tokenizer(text, add_special_tokens=False).input_ids
+    def _prompt_ids(self, session: Session, messages: list[dict]) -> list[int]:
+        features = session.image_features
+        image_tokens = 0 if features is None else features.shape[0]
+        return self.loaded.prompt.ids(messages, image_tokens)
 
-    def _closing(self, decoded) -> list[int]:
-        """An answer cut off by max_new_tokens still ends its turn with an eos id."""
-        if decoded.finished:
-            return []
-        eos = self.loaded.tokenizer.eos_token_id
-        return [eos if eos in self.loaded.eos_token_ids else min(self.loaded.eos_token_ids)]
+    @staticmethod
+    def _reuse_cache(session: Session, prompt: list[int]) -> int:
+        """Crop the session's cache to the longest prefix it shares with ``prompt``; return it.
+
+        Usually that is everything cached (the prompt only appends). It is less where the
+        tokenizer merges across the old boundary, e.g. an answer whose text re-tokenizes
+        differently inside the next prompt (docs/design.md §Canonical prompt): the prompt is the
+        checkpoint's canonical tokenization, so the differing tail is prefilled again.
+        """
+        if session.cache is None:
+            session.cache = DynamicCache()
+        held = session.token_ids[: session.cache.get_seq_length()]
+        # at least one id is prefilled: its logits start the answer
+        reused = min(common_prefix_length(prompt, held), len(prompt) - 1)
+        if reused < len(held):  # transformers 5 crops by a negative count of ids to drop
+            session.cache.crop(reused - len(held))
+        return reused
 
     def _check_question(self, question) -> str:
         if not isinstance(question, str) or not question.strip():
@@ -225,3 +246,15 @@ def _session_budget(config: EngineConfig, loaded: LoadedModel) -> int:
         free, _total = torch.cuda.mem_get_info(loaded.device)
         return int(free * config.session_budget_fraction)
     return config.cpu_session_budget_bytes
+
+
+def _answer_ids(decoded: Decoded) -> list[int]:
+    """The answer as the session's history keeps it: the generated ids without the end token.
+
+    Neither the llava-hf chat template nor the demo model's renders ``</s>`` after an assistant
+    message (they render ``answer + ' '``), so the canonical next prompt holds no end token
+    there; keeping one would make every follow-up diverge from what the checkpoint sees. An
+    answer cut off by max_new_tokens is kept as generated, with nothing appended either.
+    """
+    ids = list(decoded.token_ids)
+    return ids[:-1] if decoded.finished else ids

@@ -83,7 +83,7 @@ def load_model(
     )
     model.eval()
     prompt = ChatPrompt(processor)
-    prompt.check_append_only()
+    prompt.check_stateful()
     return LoadedModel(
         model=model,
         processor=processor,

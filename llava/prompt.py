@@ -1,78 +1,110 @@
-"""Append-only prompt rendering.
+"""The checkpoint's own prompt, as token ids: the whole conversation rendered and tokenized at once.
 
-The engine keeps a conversation as one growing list of token ids and only ever appends:
-the first turn (optional image + first question), then per answer the generated ids, then
-per follow-up question a *segment* of new ids. The segments come from the checkpoint's own
-chat template, by diffing two renders, so the same code serves llava-hf checkpoints and the
-demo model. A template whose render of turn k is not a prefix of turn k+1 cannot be served
-statefully; we refuse it at load time rather than answer from a prompt that drifted.
+A turn's prompt is exactly what Hugging Face's pipeline feeds the checkpoint:
+``processor.apply_chat_template(conversation so far, add_generation_prompt=True)`` tokenized in
+one call, with ``<image>`` expanded to one id per image feature. The engine does not assemble
+prompts from separately tokenized segments (that gave ``▁What`` where the checkpoint sees
+``What``); it diffs these ids against what its KV cache holds (docs/design.md §Canonical prompt).
+
+Message text is text: special-token strings inside a question or an answer (``<image>``,
+``</s>``) are encoded as ordinary characters (transformers' ``sanitize_control_tokens``), so only
+the template itself writes control tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-_PROBE_QUESTION = "What is this?"
+# Probe questions with different first characters, so their common prefix is the opening only.
+_PROBE_QUESTIONS = ("What is this?", "12 猫", '"Describe" it')
 _PROBE_ANSWER = "It is a probe."
 
 
-def _user(text: str, with_image: bool = False) -> dict:
+def user_message(text: str, with_image: bool = False) -> dict:
     content = [{"type": "image"}] if with_image else []
     content.append({"type": "text", "text": text})
     return {"role": "user", "content": content}
 
 
-def _assistant(text: str) -> dict:
+def assistant_message(text: str) -> dict:
     return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Renders turns of a llava-style chat template as strings that only ever append."""
-
     processor: object  # a transformers ProcessorMixin with a chat template
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    @property
+    def image_token_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+
+    def render(self, messages: list[dict]) -> str:
         return self.processor.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            messages, tokenize=False, add_generation_prompt=True
         )
 
-    def first_turn(self, question: str, with_image: bool) -> str:
-        """The whole prompt for the first question, up to where the answer starts."""
-        return self._render([_user(question, with_image)], generation_prompt=True)
-
-    def opening(self, with_image: bool) -> str:
-        """The text before the first question (system text, image slot): prefilled at open."""
-        text = self.first_turn(_PROBE_QUESTION, with_image)
-        cut = text.rfind(_PROBE_QUESTION)
-        if cut < 0:
-            raise ValueError("chat template does not render the question verbatim")
-        return text[:cut]
-
-    def first_question(self, question: str, with_image: bool) -> str:
-        """The text that follows :meth:`opening` to ask the first question."""
-        opening = self.opening(with_image)
-        text = self.first_turn(question, with_image)
-        if not text.startswith(opening):
-            raise ValueError("chat template is not append-only: the question rewrites the opening")
-        return text[len(opening) :]
-
-    def follow_up(self, question: str) -> str:
-        """The text that follows a finished answer to ask ``question``."""
-        history = [_user(_PROBE_QUESTION), _assistant(_PROBE_ANSWER)]
-        before = self._render(history, generation_prompt=False)
-        after = self._render(history + [_user(question)], generation_prompt=True)
-        if not after.startswith(before):
-            raise ValueError("chat template is not append-only: a new turn rewrites earlier text")
-        return after[len(before) :]
-
-    def check_append_only(self) -> None:
-        """Raise ValueError unless asking a follow-up only appends to the first turn's text."""
-        first = self.first_turn(_PROBE_QUESTION, with_image=True)
-        two_turns = self._render(
-            [_user(_PROBE_QUESTION, True), _assistant(_PROBE_ANSWER)], generation_prompt=False
+    def ids(self, messages: list[dict], image_tokens: int = 0) -> list[int]:
+        """The canonical prompt ids of ``messages``, ready for the assistant's answer."""
+        tokenizer = self.tokenizer
+        ids = tokenizer.apply_chat_template(
+            messages,
+            chat_template=self.processor.chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            sanitize_control_tokens=True,
+            return_dict=False,
         )
-        if not two_turns.startswith(first):
-            raise ValueError("chat template is not append-only: the answer rewrites the prompt")
-        self.first_question("Another question?", with_image=True)
-        self.follow_up(_PROBE_QUESTION)
+        # The processor adds the tokenizer's special tokens (BOS) unless the template wrote them.
+        if not (tokenizer.bos_token and self.render(messages).startswith(tokenizer.bos_token)):
+            ids = tokenizer("").input_ids + ids
+        return self._expand_images(ids, image_tokens)
+
+    def _expand_images(self, ids: list[int], image_tokens: int) -> list[int]:
+        """One ``<image>`` id per image feature, as the processor expands it."""
+        image_id = self.image_token_id
+        if image_id not in ids:
+            return ids
+        out: list[int] = []
+        for token in ids:
+            out.extend([token] * image_tokens if token == image_id else [token])
+        return out
+
+    def opening_ids(self, with_image: bool, image_tokens: int = 0) -> list[int]:
+        """The ids every first question starts with (BOS, role, image): prefilled at open."""
+        probes = [self.ids([user_message(q, with_image)], image_tokens) for q in _PROBE_QUESTIONS]
+        shared = min(common_prefix_length(probes[0], other) for other in probes[1:])
+        return probes[0][:shared]
+
+    def check_stateful(self) -> None:
+        """Raise ValueError unless a follow-up's prompt ids extend the previous turn's prompt ids.
+
+        Otherwise every turn would re-prefill from where the template rewrote the past: such a
+        template gains nothing from a session's KV cache, so it is refused at load time.
+        """
+        for with_image in (True, False):
+            first = [user_message(_PROBE_QUESTIONS[0], with_image)]
+            before = self.ids(first, image_tokens=2)
+            after = self.ids(
+                [*first, assistant_message(_PROBE_ANSWER), user_message(_PROBE_QUESTIONS[1])],
+                image_tokens=2,
+            )
+            if after[: len(before)] != before:
+                raise ValueError(
+                    "chat template is not append-only in tokens: a new turn rewrites the "
+                    f"earlier prompt ({'with' if with_image else 'without'} an image)"
+                )
+            if not self.opening_ids(with_image, image_tokens=2):
+                raise ValueError("chat template renders no common opening before the question")

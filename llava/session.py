@@ -42,6 +42,8 @@ class Session:
     cache: DynamicCache | None
     last_used: float
     turns: int = 0
+    # The conversation as chat-template messages: each turn's prompt is rendered from it.
+    messages: list[dict] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property

@@ -50,8 +50,7 @@ def kv_conversation(engine: Engine, image, turns: int, params: dict):
     for turn in range(turns):
         answer = engine.ask(session_id, QUESTIONS[turn % len(QUESTIONS)], params)
         history = engine.store._sessions[session_id].token_ids
-        closing = 0 if answer.finished else 1
-        prompts.append(history[: len(history) - len(answer.token_ids) - closing])
+        prompts.append(history[: answer.cached_tokens + answer.new_tokens])
         timings.append((answer.ttft_s, answer.total_s))
     held = engine.store._sessions[session_id].nbytes
     engine.close(session_id)
@@ -61,14 +60,14 @@ def kv_conversation(engine: Engine, image, turns: int, params: dict):
 def replay(engine: Engine, mode: str, image, prompts, params: GenerationParams):
     """Answer each recorded prompt from scratch, redoing what ``mode`` does not cache."""
     loaded = engine.loaded
-    opening = loaded.prompt.opening(with_image=True)
-    pixels = loaded.processor(text=opening, images=image, return_tensors="pt").pixel_values
+    preprocess = loaded.processor.image_processor
+    pixels = preprocess(images=image, return_tensors="pt").pixel_values
     features = engine._image_features(pixels)
     timings = []
     for prompt in prompts:
         start = time.perf_counter()
         if mode == "stateless":
-            pixels = loaded.processor(text=opening, images=image, return_tensors="pt").pixel_values
+            pixels = preprocess(images=image, return_tensors="pt").pixel_values
         if mode in ("stateless", "pixels"):
             features = engine._image_features(pixels)
         setup = time.perf_counter() - start

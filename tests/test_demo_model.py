@@ -1,8 +1,7 @@
 """The committed demo model: small, loadable like llava-hf, and right on images it never saw.
 
-Accuracy is measured the way the engine serves: the model dir loaded through
-``llava.model.load_model``, token sequences built through the checkpoint's chat template
-(``llava.demo_eval``), greedy decoding until EOS with exactly the generated ids appended.
+Accuracy is measured through the engine itself (``llava.demo_eval.evaluate``): the model dir
+loaded through ``llava.model.load_model``, one session per dialogue, greedy decoding.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import pytest
 from PIL import Image
 
 from llava.demo_eval import KINDS, QUESTIONS, DialogueTokens, evaluate
+from llava.prompt import user_message
 from llava.synthetic import (
     COLORS,
     HELD_OUT_SEED_START,
@@ -46,7 +46,7 @@ def test_model_dir_holds_only_a_few_megabytes_of_model_files():
 
 
 def test_held_out_accuracy_per_question_kind(demo_model):
-    accuracy = evaluate(demo_model.model, demo_model.processor, held_out_samples(HELD_OUT_IMAGES))
+    accuracy = evaluate(demo_model, held_out_samples(HELD_OUT_IMAGES))
     assert set(accuracy) == set(KINDS)
     below = {kind: value for kind, value in accuracy.items() if value < MIN_ACCURACY}
     assert not below, f"held-out accuracy below {MIN_ACCURACY:.0%}: {below} (all: {accuracy})"
@@ -76,12 +76,15 @@ def test_image_expands_to_one_token_per_patch(demo_model):
     assert ids.count(demo_model.model.config.image_token_id) == patches
 
 
-def test_training_sequences_match_what_the_engine_prefills(demo_model):
-    """Turn 1 as trained (one processor call) == as served (opening at open, then question)."""
+def test_training_first_turn_is_the_canonical_prompt(demo_model):
+    """Turn 1 as trained (one processor call) == the engine's canonical prompt ids."""
     pieces = DialogueTokens(demo_model.processor)
     image = held_out_samples(1)[0].image
     for question in QUESTIONS[:2]:
-        assert pieces.first_turn(question, image)[0] == pieces.engine_first_turn(question, image)
+        ids, _ = pieces.first_turn(question, image)
+        tokens = ids.count(demo_model.model.config.image_token_id)
+        messages = [user_message(question, with_image=True)]
+        assert ids == demo_model.prompt.ids(messages, image_tokens=tokens)
 
 
 def test_samples_are_a_function_of_their_seed():

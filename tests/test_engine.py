@@ -50,16 +50,16 @@ def full_recompute(engine: Engine, prompt_ids: list[int], image, max_new: int) -
     loaded = engine.loaded
     inputs = {"input_ids": torch.tensor([prompt_ids], device=loaded.device)}
     if image is not None:
-        opening = loaded.prompt.opening(with_image=True)
-        pixels = loaded.processor(text=opening, images=image, return_tensors="pt").pixel_values
+        pixels = loaded.processor.image_processor(images=image, return_tensors="pt").pixel_values
         inputs["pixel_values"] = pixels.to(loaded.device, loaded.dtype)
     out = loaded.model.generate(**inputs, do_sample=False, max_new_tokens=max_new)
     return out[0, len(prompt_ids) :].tolist()
 
 
 def prompt_of_last_turn(engine: Engine, session_id: str, answer) -> list[int]:
+    """The history starts with the turn's prompt: the ids reused from the cache + prefilled."""
     history = engine.store._sessions[session_id].token_ids
-    return history[: len(history) - len(answer.token_ids) - (0 if answer.finished else 1)]
+    return history[: answer.cached_tokens + answer.new_tokens]
 
 
 @pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
