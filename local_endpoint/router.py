@@ -16,6 +16,15 @@ from dataclasses import dataclass, field
 PROBE_EVERY_S = 2.0  # how often a dead instance is pinged before it gets new sessions again
 
 
+def answers_ping(url: str) -> bool:
+    """Whether the server at ``url`` answers ``/ping`` with 200 within a second."""
+    try:
+        with urllib.request.urlopen(f"{url}/ping", timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
 @dataclass
 class Backend:
     name: str
@@ -25,11 +34,7 @@ class Backend:
     sessions: set[str] = field(default_factory=set)
 
     def answers_ping(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/ping", timeout=1.0) as reply:
-                return reply.status == 200
-        except OSError:
-            return False
+        return answers_ping(self.url)
 
 
 class Router:

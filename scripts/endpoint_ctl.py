@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from local_endpoint.router import answers_ping  # noqa: E402
 from scripts.torchserve_ctl import TorchServeError, TorchServeInstance, _tail  # noqa: E402
 
 STATE = "endpoint.json"
@@ -87,7 +87,7 @@ class LocalEndpoint:
             )
         (self.run_dir / STATE).write_text(json.dumps({"pid": server.pid, "port": self.port}))
         deadline = time.monotonic() + timeout
-        while not _answers_ping(self.url):
+        while not answers_ping(self.url):
             if server.poll() is not None or time.monotonic() > deadline:
                 raise TorchServeError(f"the endpoint did not come up:\n{_tail(self.log, 20)}")
             time.sleep(0.1)
@@ -114,14 +114,6 @@ class LocalEndpoint:
         (self.run_dir / STATE).unlink(missing_ok=True)
         for instance_dir in sorted(self.run_dir.glob("instance-*")):
             TorchServeInstance(instance_dir).stop()  # finds its processes by directory
-
-
-def _answers_ping(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/ping", timeout=1.0) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
 
 
 def _check_port_free(port: int) -> None:
