@@ -46,7 +46,13 @@ sys.path.insert(0, str(ROOT))
 
 from front import Front  # noqa: E402 (docker/ is this script's own directory)
 
-from llava.config import ENV_PREFIX, EngineConfig, env_overrides  # noqa: E402
+from llava.config import (  # noqa: E402
+    EngineConfig,
+    SettingsError,
+    env_name,
+    load_config,
+    unknown_env_names,
+)
 from scripts.make_mar import build_mar  # noqa: E402
 from scripts.torchserve_ctl import TorchServeError, TorchServeInstance  # noqa: E402
 
@@ -95,17 +101,16 @@ class Settings:
 
 
 def check_engine_env(environ: dict[str, str]) -> None:
-    """Fail on a misspelt ``LLAVA_*`` name, which the engine would otherwise ignore."""
-    known = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    """Fail on a misspelt ``LLAVA_*`` name, which the engine would only warn about, and on a bad
+    value, with the worker's own one-line message naming the variable."""
+    unknown = unknown_env_names(environ)
     if unknown:
-        raise SettingError(
-            f"unknown setting {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
+        known = sorted(env_name(f.name) for f in dataclasses.fields(EngineConfig))
+        raise SettingError(f"unknown setting {', '.join(unknown)}; known: {', '.join(known)}")
     try:
-        EngineConfig.from_mapping({"model_dir": "-", **env_overrides(environ)})
-    except (TypeError, ValueError) as e:
-        raise SettingError(f"bad LLAVA_* setting: {e}") from None
+        load_config({}, environ, base_dir=".")
+    except SettingsError as e:
+        raise SettingError(str(e)) from None
 
 
 def resolve_model(model_dir: Path, work_dir: Path) -> tuple[Path, str]:

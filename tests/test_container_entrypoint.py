@@ -201,6 +201,7 @@ def test_model_that_fails_to_load_exits_nonzero_and_never_pings_200(tmp_path):
         ("two-mars", {}, "2 .mar files"),
         ("dangling-reference", {}, "references weights at"),
         ("mar", {"LLAVA_SESION_TTL_S": "5"}, "unknown setting LLAVA_SESION_TTL_S"),
+        ("mar", {"LLAVA_SESSION_TTL_S": "abc"}, "bad setting LLAVA_SESSION_TTL_S"),
         ("mar", {"SERVE_PORT": "http"}, "bad SERVE_* setting"),
     ],
 )
