@@ -23,6 +23,12 @@ def kv_geometry(text_config) -> tuple[int, int, int]:
     return text_config.num_hidden_layers, kv_heads, head_dim
 
 
+def kv_bytes_per_token(text_config, dtype) -> int:
+    """K and V of one token in every layer: a budget of N tokens is N times this."""
+    layers, kv_heads, head_dim = kv_geometry(text_config)
+    return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class KVPool:
     """The pool tensor is [layers, 2 (K, V), kv_heads, total_blocks * block_tokens, head_dim].
 
@@ -35,9 +41,8 @@ class KVPool:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         layers, kv_heads, head_dim = kv_geometry(text_config)
-        element = torch.empty((), dtype=dtype).element_size()
         self.block_tokens = block_tokens
-        self.bytes_per_block = layers * 2 * kv_heads * block_tokens * head_dim * element
+        self.bytes_per_block = block_tokens * kv_bytes_per_token(text_config, dtype)
         self.total_blocks = budget_bytes // self.bytes_per_block
         if self.total_blocks < 1:
             raise ValueError(

@@ -31,14 +31,30 @@ class StepInput:
 
 
 @dataclass(frozen=True)
+class _Prefill:
+    span: tuple[int, int]  # the sequence's [start, stop) in the packed tokens
+    read_slots: torch.Tensor  # its slots 0..new length
+    mask: torch.Tensor  # [new, past + new]: new token i sees the past and new tokens 0..i
+
+
+@dataclass(frozen=True)
+class _Decodes:
+    """Sequences with one new token, attended together: K/V padded to the longest."""
+
+    tokens: torch.Tensor  # [D] their token index in the packed batch
+    read_slots: torch.Tensor  # [D, longest] slots, padded with slot 0
+    mask: torch.Tensor | None  # [D, 1, 1, longest] True where a real key is; None: no padding
+
+
+@dataclass(frozen=True)
 class _Packed:
     """Per-step tensors shared by every layer."""
 
     positions: torch.Tensor  # [T] each token's true position (kv.length + offset)
     write_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
     spans: list[tuple[int, int]]  # each sequence's [start, stop) in the packed tokens
-    read_slots: list[torch.Tensor]  # each sequence's slots 0..new length
-    masks: list[torch.Tensor | None]  # causal mask of new tokens over past + new (None: 1 token)
+    prefills: list[_Prefill]
+    decodes: _Decodes | None
 
 
 def _layer_problem(layer) -> str | None:
@@ -124,7 +140,7 @@ class Runner:
         if len({id(item.kv) for item in batch}) != len(batch):
             raise ValueError("a sequence appears twice in one step")
         device = self.pool.kv.device
-        positions, write_slots, spans, read_slots, masks = [], [], [], [], []
+        positions, write_slots, spans, prefills, decodes = [], [], [], [], []
         start = 0
         for item in batch:
             kv, n = item.kv, len(item.ids)
@@ -139,16 +155,18 @@ class Runner:
                 )
             positions.append(torch.arange(kv.length, kv.length + n, device=device))
             write_slots.append(kv.slots(kv.length, kv.length + n))
-            read_slots.append(kv.slots(0, kv.length + n))
             spans.append((start, start + n))
-            # New token i sees every past token and new tokens 0..i.
-            masks.append(
-                None
-                if n == 1
-                else torch.ones(n, kv.length + n, dtype=torch.bool, device=device).tril(kv.length)
-            )
+            if n == 1:
+                decodes.append((start, kv.slots(0, kv.length + 1)))
+            else:
+                mask = torch.ones(n, kv.length + n, dtype=torch.bool, device=device)
+                prefills.append(
+                    _Prefill(spans[-1], kv.slots(0, kv.length + n), mask.tril(kv.length))
+                )
             start += n
-        return _Packed(torch.cat(positions), torch.cat(write_slots), spans, read_slots, masks)
+        return _Packed(
+            torch.cat(positions), torch.cat(write_slots), spans, prefills, _batch_decodes(decodes)
+        )
 
     def _embed(self, batch: list[StepInput], packed: _Packed) -> torch.Tensor:
         device = self.pool.kv.device
@@ -179,18 +197,47 @@ class Runner:
         values.index_copy_(1, packed.write_slots, v.transpose(0, 1))
         out = torch.empty_like(q)
         gqa = self.heads != self.kv_heads
-        for (start, stop), slots, mask in zip(
-            packed.spans, packed.read_slots, packed.masks, strict=True
-        ):
+        for prefill in packed.prefills:
+            start, stop = prefill.span
             out[start:stop] = F.scaled_dot_product_attention(
                 q[start:stop].transpose(0, 1),
-                keys.index_select(1, slots),
-                values.index_select(1, slots),
-                attn_mask=mask,
+                keys.index_select(1, prefill.read_slots),
+                values.index_select(1, prefill.read_slots),
+                attn_mask=prefill.mask,
                 scale=attn.scaling,
                 enable_gqa=gqa,
             ).transpose(0, 1)
+        decodes = packed.decodes
+        if decodes is not None:
+            count, longest = decodes.read_slots.shape
+            flat = decodes.read_slots.flatten()
+            shape = (self.kv_heads, count, longest, self.head_dim)
+            out[decodes.tokens] = F.scaled_dot_product_attention(
+                q[decodes.tokens].unsqueeze(2),  # [D, heads, 1, head_dim]
+                keys.index_select(1, flat).view(shape).transpose(0, 1),
+                values.index_select(1, flat).view(shape).transpose(0, 1),
+                attn_mask=decodes.mask,
+                scale=attn.scaling,
+                enable_gqa=gqa,
+            ).squeeze(2)
         return attn.o_proj(out.view(tokens, -1))
+
+
+def _batch_decodes(decodes: list[tuple[int, torch.Tensor]]) -> _Decodes | None:
+    """One padded slot matrix for every one-token sequence, so they attend in one call."""
+    if not decodes:
+        return None
+    tokens = torch.tensor([token for token, _ in decodes], device=decodes[0][1].device)
+    lengths = [len(slots) for _, slots in decodes]
+    longest = max(lengths)
+    if min(lengths) == longest:
+        return _Decodes(tokens, torch.stack([slots for _, slots in decodes]), None)
+    padded = torch.nn.utils.rnn.pad_sequence([slots for _, slots in decodes], batch_first=True)
+    real = (
+        torch.arange(longest, device=tokens.device)
+        < torch.tensor(lengths, device=tokens.device)[:, None]
+    )
+    return _Decodes(tokens, padded, real[:, None, None, :])
 
 
 def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

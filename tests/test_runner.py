@@ -193,7 +193,7 @@ def test_scaled_rope_types_equal_hf_forward(rope):
 
 
 # -- batched equals alone ------------------------------------------------------------------
-def test_eight_sequences_stepped_together_equal_each_alone(demo):
+def test_eight_sequences_stepped_together_equal_each_alone(subject):
     """Different images, text-only sessions, lengths and answer lengths; staggered starts mix
     prefills of some sequences with decode steps of others in one step."""
     samples = held_out_samples(6, seed=31_000)
@@ -202,13 +202,13 @@ def test_eight_sequences_stepped_together_equal_each_alone(demo):
         [QUESTIONS[i % len(QUESTIONS)], QUESTIONS[(i + 2) % len(QUESTIONS)]] for i in range(8)
     ]
     chunks = [
-        demo.chunks(image, qs[: 1 + i % 2])
+        subject.chunks(image, qs[: 1 + i % 2])
         for i, (image, qs) in enumerate(zip(images, questions, strict=True))
     ]
     decode_steps = [6, 12, 8, 9, 7, 15, 10, 11]
     starts = [0, 0, 1, 1, 2, 2, 3, 3]
     alone: list[list[torch.Tensor]] = []
-    runner = Runner(demo.model, demo.pool())
+    runner = Runner(subject.model, subject.pool())
     for seq_chunks, steps in zip(chunks, decode_steps, strict=True):
         alone.append([])
         drive(runner, [sequence(runner.pool, seq_chunks, steps, alone[-1])], [0])
