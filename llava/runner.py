@@ -31,19 +31,10 @@ class StepInput:
 
 
 @dataclass(frozen=True)
-class _Prefill:
-    span: tuple[int, int]  # the sequence's [start, stop) in the packed tokens
-    read_slots: torch.Tensor  # its slots 0..new length
-    mask: torch.Tensor  # [new, past + new]: new token i sees the past and new tokens 0..i
-
-
-@dataclass(frozen=True)
-class _Decodes:
-    """Sequences with one new token, attended together: K/V padded to the longest."""
-
-    tokens: torch.Tensor  # [D] their token index in the packed batch
-    read_slots: torch.Tensor  # [D, longest] slots, padded with slot 0
-    mask: torch.Tensor | None  # [D, 1, 1, longest] True where a real key is; None: no padding
+class _Sequence:
+    span: tuple[int, int]  # its [start, stop) in the packed tokens
+    keys: slice | torch.Tensor  # its pool slots 0..new length: a slice reads them in place
+    mask: torch.Tensor | None  # [new, past + new]: new token i sees the past and new 0..i
 
 
 @dataclass(frozen=True)
@@ -52,9 +43,7 @@ class _Packed:
 
     positions: torch.Tensor  # [T] each token's true position (kv.length + offset)
     write_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
-    spans: list[tuple[int, int]]  # each sequence's [start, stop) in the packed tokens
-    prefills: list[_Prefill]
-    decodes: _Decodes | None
+    sequences: list[_Sequence]
 
 
 def _layer_problem(layer) -> str | None:
@@ -127,7 +116,7 @@ class Runner:
             attended = self._attention(index, layer, layer.input_layernorm(hidden), rotary, packed)
             hidden = hidden + attended
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        last = torch.tensor([stop - 1 for _, stop in packed.spans], device=hidden.device)
+        last = torch.tensor([s.span[1] - 1 for s in packed.sequences], device=hidden.device)
         logits = self.model.lm_head(self.lm.norm(hidden[last]))
         for item in batch:
             item.kv.length += len(item.ids)
@@ -140,7 +129,7 @@ class Runner:
         if len({id(item.kv) for item in batch}) != len(batch):
             raise ValueError("a sequence appears twice in one step")
         device = self.pool.kv.device
-        positions, write_slots, spans, prefills, decodes = [], [], [], [], []
+        positions, write_slots, sequences = [], [], []
         start = 0
         for item in batch:
             kv, n = item.kv, len(item.ids)
@@ -153,27 +142,26 @@ class Runner:
                     f"{n} new ids after {kv.length} need {kv.length + n} reserved tokens, "
                     f"{kv.capacity} are: reserve first"
                 )
-            positions.append(torch.arange(kv.length, kv.length + n, device=device))
-            write_slots.append(kv.slots(kv.length, kv.length + n))
-            spans.append((start, start + n))
-            if n == 1:
-                decodes.append((start, kv.slots(0, kv.length + 1)))
-            else:
-                mask = torch.ones(n, kv.length + n, dtype=torch.bool, device=device)
-                prefills.append(
-                    _Prefill(spans[-1], kv.slots(0, kv.length + n), mask.tril(kv.length))
-                )
+            stop = kv.length + n
+            positions.append(torch.arange(kv.length, stop, device=device))
+            write_slots.append(kv.slots(kv.length, stop))
+            keys = kv.contiguous_slots(stop)
+            mask = None
+            if n > 1:
+                mask = torch.ones(n, stop, dtype=torch.bool, device=device).tril(kv.length)
+            sequences.append(
+                _Sequence((start, start + n), kv.slots(0, stop) if keys is None else keys, mask)
+            )
             start += n
-        return _Packed(
-            torch.cat(positions), torch.cat(write_slots), spans, prefills, _batch_decodes(decodes)
-        )
+        return _Packed(torch.cat(positions), torch.cat(write_slots), sequences)
 
     def _embed(self, batch: list[StepInput], packed: _Packed) -> torch.Tensor:
         device = self.pool.kv.device
         ids = torch.tensor([i for item in batch for i in item.ids], device=device)
         hidden = self.lm.embed_tokens(ids)
         is_image = ids == self.image_token_id
-        for item, (start, stop) in zip(batch, packed.spans, strict=True):
+        for item, sequence in zip(batch, packed.sequences, strict=True):
+            start, stop = sequence.span
             where = is_image[start:stop].nonzero().flatten() + start
             features = item.image_features
             rows = 0 if features is None else features.shape[0]
@@ -196,48 +184,22 @@ class Runner:
         keys.index_copy_(1, packed.write_slots, k.transpose(0, 1))
         values.index_copy_(1, packed.write_slots, v.transpose(0, 1))
         out = torch.empty_like(q)
-        gqa = self.heads != self.kv_heads
-        for prefill in packed.prefills:
-            start, stop = prefill.span
+        for sequence in packed.sequences:
+            start, stop = sequence.span
+            if isinstance(sequence.keys, slice):  # adjacent blocks: read in place
+                seq_keys, seq_values = keys[:, sequence.keys], values[:, sequence.keys]
+            else:
+                seq_keys = keys.index_select(1, sequence.keys)
+                seq_values = values.index_select(1, sequence.keys)
             out[start:stop] = F.scaled_dot_product_attention(
                 q[start:stop].transpose(0, 1),
-                keys.index_select(1, prefill.read_slots),
-                values.index_select(1, prefill.read_slots),
-                attn_mask=prefill.mask,
+                seq_keys,
+                seq_values,
+                attn_mask=sequence.mask,
                 scale=attn.scaling,
-                enable_gqa=gqa,
+                enable_gqa=self.heads != self.kv_heads,
             ).transpose(0, 1)
-        decodes = packed.decodes
-        if decodes is not None:
-            count, longest = decodes.read_slots.shape
-            flat = decodes.read_slots.flatten()
-            shape = (self.kv_heads, count, longest, self.head_dim)
-            out[decodes.tokens] = F.scaled_dot_product_attention(
-                q[decodes.tokens].unsqueeze(2),  # [D, heads, 1, head_dim]
-                keys.index_select(1, flat).view(shape).transpose(0, 1),
-                values.index_select(1, flat).view(shape).transpose(0, 1),
-                attn_mask=decodes.mask,
-                scale=attn.scaling,
-                enable_gqa=gqa,
-            ).squeeze(2)
         return attn.o_proj(out.view(tokens, -1))
-
-
-def _batch_decodes(decodes: list[tuple[int, torch.Tensor]]) -> _Decodes | None:
-    """One padded slot matrix for every one-token sequence, so they attend in one call."""
-    if not decodes:
-        return None
-    tokens = torch.tensor([token for token, _ in decodes], device=decodes[0][1].device)
-    lengths = [len(slots) for _, slots in decodes]
-    longest = max(lengths)
-    if min(lengths) == longest:
-        return _Decodes(tokens, torch.stack([slots for _, slots in decodes]), None)
-    padded = torch.nn.utils.rnn.pad_sequence([slots for _, slots in decodes], batch_first=True)
-    real = (
-        torch.arange(longest, device=tokens.device)
-        < torch.tensor(lengths, device=tokens.device)[:, None]
-    )
-    return _Decodes(tokens, padded, real[:, None, None, :])
 
 
 def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
