@@ -156,21 +156,28 @@ class Runner:
         return _Packed(torch.cat(positions), torch.cat(write_slots), sequences)
 
     def _embed(self, batch: list[StepInput], packed: _Packed) -> torch.Tensor:
+        """Token embeddings, image features in the image-token positions (found on the host:
+        no device sync per sequence)."""
         device = self.pool.kv.device
-        ids = torch.tensor([i for item in batch for i in item.ids], device=device)
-        hidden = self.lm.embed_tokens(ids)
-        is_image = ids == self.image_token_id
+        flat = [i for item in batch for i in item.ids]
+        where, features = [], []
         for item, sequence in zip(batch, packed.sequences, strict=True):
-            start, stop = sequence.span
-            where = is_image[start:stop].nonzero().flatten() + start
-            features = item.image_features
-            rows = 0 if features is None else features.shape[0]
-            if rows != where.numel():
+            start = sequence.span[0]
+            image_at = [
+                start + i for i, token in enumerate(item.ids) if token == self.image_token_id
+            ]
+            rows = 0 if item.image_features is None else item.image_features.shape[0]
+            if rows != len(image_at):
                 raise ValueError(
-                    f"{where.numel()} image tokens in the new ids but {rows} image feature rows"
+                    f"{len(image_at)} image tokens in the new ids but {rows} image feature rows"
                 )
             if rows:
-                hidden[where] = features.to(hidden.device, hidden.dtype)
+                where.extend(image_at)
+                features.append(item.image_features)
+        hidden = self.lm.embed_tokens(torch.tensor(flat, device=device))
+        if where:
+            rows = torch.cat(features).to(device, hidden.dtype)
+            hidden[torch.tensor(where, device=device)] = rows
         return hidden
 
     def _attention(self, index: int, layer, x: torch.Tensor, rotary, packed: _Packed):

@@ -6,8 +6,9 @@
 Every sequence holds ``--context`` tokens (an image opening of 576 image tokens plus text) in
 the KV pool; one decode step then appends one token to each. Rows: the runner at each batch
 size, and ``model(ids, past_key_values=DynamicCache)`` at batch 1 (the engine's path before
-the runner). ``gather ms`` is the part of a step spent copying each sequence's K/V out of its
-blocks (index_select per layer), measured alone on the same slots. Medians of ``--rounds``
+the runner). ``adjacent``: each session's blocks are adjacent (what the pool hands out when it
+can), so the runner reads KV in place; ``scattered``: no two blocks of a session are adjacent,
+so every step gathers each session's KV (the runner's worst case). Medians of ``--rounds``
 rounds that interleave all paths (other processes' load hits every path alike).
 Runs on the untrained realistic-shape model, built into build/ if missing.
 """
@@ -44,19 +45,24 @@ def context_ids(loaded, context: int) -> tuple[list[int], torch.Tensor]:
     return opening + words, features
 
 
-def filled_sessions(runner: Runner, ids, features, count: int) -> list[SessionKV]:
-    """``count`` sessions holding the same prefilled context: prefilled once, blocks copied."""
+def filled_sessions(runner: Runner, ids, features, count: int, scattered: bool) -> list[SessionKV]:
+    """``count`` sessions holding the same context: prefilled once, then blocks copied.
+
+    ``scattered``: the sessions take their blocks in turn, one at a time, so no session's
+    blocks are adjacent and every step gathers their KV (the worst case for the runner).
+    """
     pool = runner.pool
-    first = pool.new_kv()
-    first.reserve(len(ids))
-    runner.step([StepInput(first, ids, features)])
-    sessions = [first]
-    for _ in range(count - 1):
-        kv = pool.new_kv()
+    sessions = [pool.new_kv() for _ in range(count)]
+    for tokens in range(pool.block_tokens, len(ids) if scattered else 0, pool.block_tokens):
+        for kv in sessions:
+            kv.reserve(tokens)
+    for kv in sessions:
         kv.reserve(len(ids))
+    first = sessions[0]
+    runner.step([StepInput(first, ids, features)])
+    for kv in sessions[1:]:
         pool.kv[:, :, :, kv.slots(0, len(ids))] = pool.kv[:, :, :, first.slots(0, len(ids))]
         kv.length = len(ids)
-        sessions.append(kv)
     return sessions
 
 
@@ -76,19 +82,6 @@ def runner_decode(runner: Runner, sessions: list[SessionKV], steps: int):
             kv.reserve(steps)
         for step in range(steps):
             runner.step([StepInput(kv, [20 + step], None) for kv in sessions])
-
-    return run
-
-
-def gather(runner: Runner, sessions: list[SessionKV]):
-    """What one step spends gathering every session's K/V from its blocks, all layers."""
-    slots = [kv.slots(0, kv.length) for kv in sessions]
-
-    def run():
-        for layer in runner.pool.kv:
-            for kv_slots in slots:
-                layer[0].index_select(1, kv_slots)
-                layer[1].index_select(1, kv_slots)
 
     return run
 
@@ -121,37 +114,32 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     ids, features = context_ids(loaded, args.context)
     text = loaded.model.config.text_config
-    pool_tokens = sum(batches) * (args.context + args.steps + 16)
+    pool_tokens = 2 * sum(batches) * (args.context + args.steps + 16)
     budget = pool_tokens * kv_bytes_per_token(text, loaded.dtype)
     runner = Runner(loaded.model, KVPool(text, budget, loaded.device, loaded.dtype))
-    groups = {batch: filled_sessions(runner, ids, features, batch) for batch in batches}
     # Rounds interleave every path, so load from other processes hits them alike.
     paths = {("HF DynamicCache", 1): hf_decode(loaded, ids, features, args.steps)}
-    paths.update({("runner", b): runner_decode(runner, groups[b], args.steps) for b in batches})
+    for layout in ("adjacent", "scattered"):
+        for batch in batches:
+            sessions = filled_sessions(runner, ids, features, batch, layout == "scattered")
+            paths[(f"runner {layout}", batch)] = runner_decode(runner, sessions, args.steps)
     step_s = {key: [] for key in paths}
-    gather_s = {batch: [] for batch in batches}
     for _ in range(args.rounds):
         for key, run in paths.items():
             step_s[key].append(seconds(run) / args.steps)
-        for batch in batches:
-            gather_s[batch].append(seconds(gather(runner, groups[batch])))
     print(
         f"model {args.model_dir}: context {len(ids)} tokens, {args.steps} decode steps, median "
         f"of {args.rounds} interleaved rounds; torch threads {torch.get_num_threads()}"
     )
-    print(
-        f"{'path':<16}{'batch':>6}{'ms/step':>10}{'min..max':>16}{'tokens/s':>10}"
-        f"{'gather ms':>11}{'vs HF':>8}"
-    )
+    print(f"{'path':<20}{'batch':>6}{'ms/step':>10}{'min..max':>14}{'tokens/s':>10}{'vs HF':>8}")
     hf_tokens_s = 1 / statistics.median(step_s[("HF DynamicCache", 1)])
     for (name, batch), times in step_s.items():
         step = statistics.median(times)
         spread = f"{min(times) * 1e3:.0f}..{max(times) * 1e3:.0f}"
-        gathered = f"{statistics.median(gather_s[batch]) * 1e3:.1f}" if name == "runner" else ""
         tokens_s = batch / step
         print(
-            f"{name:<16}{batch:>6}{step * 1e3:>10.1f}{spread:>16}{tokens_s:>10.1f}"
-            f"{gathered:>11}{tokens_s / hf_tokens_s:>8.2f}"
+            f"{name:<20}{batch:>6}{step * 1e3:>10.1f}{spread:>14}{tokens_s:>10.1f}"
+            f"{tokens_s / hf_tokens_s:>8.2f}"
         )
 
 
