@@ -117,7 +117,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     ids, features = context_ids(loaded, args.context)
     text = loaded.model.config.text_config
-    pool_tokens = 2 * sum(batches) * (args.context + args.steps + 16)
+    # adjacent sessions, then scattered ones in every other block of what is left: 3x
+    pool_tokens = 3 * sum(batches) * (args.context + args.steps + 16)
     budget = pool_tokens * kv_bytes_per_token(text, loaded.dtype)
     runner = Runner(loaded.model, KVPool(text, budget, loaded.device, loaded.dtype))
     # Rounds interleave every path, so load from other processes hits them alike.
