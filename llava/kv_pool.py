@@ -33,8 +33,9 @@ class KVPool:
     """The pool tensor is [layers, 2 (K, V), kv_heads, total_blocks * block_tokens, head_dim].
 
     Token slot ``block * block_tokens + offset`` of one layer's K (or V) is a [kv_heads, head_dim]
-    row; heads come first so gathering a session's slots yields SDPA's [heads, tokens, dim]
-    layout with a single copy.
+    row; heads come first so a session's K or V is already SDPA's [heads, tokens, dim] layout:
+    a slice when its blocks are adjacent, one gather otherwise. Not thread-safe: the engine
+    loop owns it.
     """
 
     def __init__(self, text_config, budget_bytes: int, device, dtype, block_tokens: int = 16):
