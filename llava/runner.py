@@ -3,9 +3,9 @@
 The tokens of every sequence in the batch (a prefill tail or one decoded id each) are packed
 into one [tokens, hidden] matrix with no padding, so each layer's projections and MLP run as
 one batched matmul; only attention runs per sequence, over that sequence's own blocks (read
-in place when they are adjacent, gathered otherwise). The
-layers' own modules do the maths, so the weights, norms and rotary embedding are the
-checkpoint's (docs/design-kvrunner.md §Step runner).
+in place when they are adjacent, gathered otherwise). The layers' own modules do the maths,
+so the weights, norms and rotary embedding are the checkpoint's
+(docs/design-kvrunner.md §Step runner).
 """
 
 from __future__ import annotations
