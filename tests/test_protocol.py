@@ -194,9 +194,31 @@ EXPECTED_STATUS = {
 
 @pytest.mark.parametrize("cls, status", EXPECTED_STATUS.items(), ids=lambda v: str(v))
 def test_every_engine_error_maps_to_its_status_with_a_json_body(cls, status):
-    code, body = error_response(cls("what to change"))
-    assert code == status
-    assert body == {"error": {"code": cls.code, "message": "what to change"}}
+    reply = error_response(cls("what to change"))
+    assert reply.status == status
+    assert reply.payload == {"error": {"code": cls.code, "message": "what to change"}}
+    assert reply.headers == {}
+
+
+class KVMemoryFull(errors.NoCapacity):
+    """A stand-in for llava.errors.Busy (sched's engine): a 503 that says when to retry."""
+
+    code = "KV_MEMORY_FULL"
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@pytest.mark.parametrize("retry_after_s, header", [(0.2, "1"), (2.0, "2"), (2.5, "3")])
+def test_busy_is_a_503_with_retry_after_in_whole_seconds(retry_after_s, header):
+    reply = error_response(KVMemoryFull("the KV pool is full", retry_after_s))
+    assert (reply.status, reply.headers) == (503, {"Retry-After": header})
+    assert reply.payload["error"] == {
+        "code": "KV_MEMORY_FULL",
+        "message": "the KV pool is full",
+        "retryAfterS": retry_after_s,
+    }
 
 
 def test_every_engine_error_class_is_in_the_table():
@@ -205,8 +227,8 @@ def test_every_engine_error_class_is_in_the_table():
 
 
 def test_a_bug_is_a_500_that_names_no_internals():
-    status, body = error_response(KeyError("secret internal detail"))
-    assert status == 500 and "secret" not in body["error"]["message"]
+    reply = error_response(KeyError("secret internal detail"))
+    assert reply.status == 500 and "secret" not in reply.payload["error"]["message"]
 
 
 request_like = st.fixed_dictionaries(
