@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from handlers.errors import STATUS_BY_ERROR, error_response
 from handlers.protocol import (
     AskSession,
+    CancelTurn,
     CloseSession,
     OpenSession,
     parse_request,
@@ -71,6 +72,14 @@ def test_the_seeds_client_shapes_are_accepted():
     assert parse_request(body, {}) == AskSession(SID, "Hi", {"max_new_tokens": 4}, True)
     close = {"requestType": "CLOSE_SESSION", "extSessionID": SID}
     assert parse_request(close, {}) == CloseSession(SID)
+
+
+def test_cancel_turn_names_the_session_like_close():
+    cancel = {"requestType": "CANCEL_TURN"}
+    assert parse_request(cancel, {"X-Amzn-SageMaker-Session-Id": SID}) == CancelTurn(SID)
+    with pytest.raises(InvalidRequest) as err:
+        parse_request(cancel, {})
+    assert err.value.code == "MISSING_SESSION_ID"
 
 
 def test_without_request_type_the_header_decides():
@@ -258,4 +267,4 @@ def test_arbitrary_input_is_a_request_or_a_typed_error(body, headers):
     except EngineError as err:
         assert err.code and err.message
     else:
-        assert isinstance(request, OpenSession | AskSession | CloseSession)
+        assert isinstance(request, OpenSession | AskSession | CloseSession | CancelTurn)
