@@ -247,7 +247,11 @@ def test_a_client_hanging_up_mid_stream_stops_its_turn(server, front, images):
         b"%s: %s\r\nContent-Length: %d\r\n\r\n%s"
         % (SESSION.encode(), cut.encode(), len(body), body)
     )
-    assert b'"token"' in client.recv(4096)  # streaming has begun
+    received = b""
+    while b'"token"' not in received:  # streaming has begun (bounded by the socket timeout)
+        piece = client.recv(4096)
+        assert piece, "the front closed the stream"
+        received += piece
     client.close()
     full = prompt_tokens(ask(server, reference, "And its color?"))
     after_cut = prompt_tokens(ask(server, cut, "And its color?"))  # waits for the cut turn
