@@ -256,3 +256,17 @@ def test_a_client_hanging_up_mid_stream_stops_its_turn(server, front, images):
     full = prompt_tokens(ask(server, reference, "And its color?"))
     after_cut = prompt_tokens(ask(server, cut, "And its color?"))  # waits for the cut turn
     assert after_cut < full - LONG["max_new_tokens"] // 2
+
+
+def test_a_plain_reply_reaches_the_caller_whole_with_a_length(server, front):
+    """TorchServe now sends every 200 chunked (one chunk, then an empty final reply); the
+    container's front gives SageMaker a sized body."""
+    direct = invoke(server, {"requestType": "NEW_SESSION"})
+    assert direct.headers.get("Transfer-Encoding") == "chunked"
+    host, port = front
+    reply = requests.post(
+        f"http://{host}:{port}/invocations", json={"requestType": "NEW_SESSION"}, timeout=WAIT_S
+    )
+    assert reply.status_code == 200 and reply.json()["sessionId"]
+    assert reply.headers["Content-Length"] == str(len(reply.content))
+    assert "Transfer-Encoding" not in reply.headers
