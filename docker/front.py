@@ -7,11 +7,15 @@ public port:
 
 - ``GET /ping``: 200 only while ``ready()`` says a worker is READY, else 503.
 - anything else (``POST /invocations`` above all) is forwarded to TorchServe's inference API
-  unchanged, and its reply is relayed as it arrives: a streamed (chunked) reply leaves here
-  chunk by chunk, so ``"stream": true`` still streams through the front.
+  unchanged. A streamed reply (JSON lines) is relayed chunk by chunk as it arrives, so
+  ``"stream": true`` still streams through the front; any other reply is read whole and sent
+  with a ``Content-Length`` (the async worker sends every 200 as a chunked body:
+  handlers/service.py, ``_Reply.finish``).
+- a client that hangs up mid-stream: TorchServe would never tell the worker, so the front sends
+  ``{"requestType": "CANCEL_TURN"}`` for the session and its turn stops at the next step.
 
-Threads, not asyncio: one request at a time reaches the single worker anyway, and the stdlib
-keeps the container free of another web framework.
+Threads, not asyncio: a thread per connection is plenty for one worker's requests, and the
+stdlib keeps the container free of another web framework.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ HOP_BY_HOP = frozenset(
     }
 )
 RELAY_CHUNK = 64 * 1024
+SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
+STREAM_TYPE = "application/jsonlines"
+CANCEL_TIMEOUT_S = 10.0
 
 
 class Front(ThreadingHTTPServer):
@@ -105,19 +112,42 @@ class _FrontHandler(BaseHTTPRequestHandler):
         for name, value in reply.getheaders():
             if name.lower() not in HOP_BY_HOP:
                 self.send_header(name, value)
-        if reply.chunked or reply.length is None:
+        if reply.getheader("Content-Type", "").startswith(STREAM_TYPE):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            while piece := reply.read1(RELAY_CHUNK):  # whatever has arrived, without waiting
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
+            try:
+                while piece := reply.read1(RELAY_CHUNK):  # whatever has arrived, no waiting
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                self._cancel_turn()
+                self.close_connection = True
         else:
             payload = reply.read()
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(payload)
+
+    def _cancel_turn(self) -> None:
+        """The client hung up: ask the worker to stop the session's turn at its next step."""
+        session_id = self.headers.get(SESSION_HEADER)
+        if not session_id:
+            return
+        upstream = http.client.HTTPConnection(*self.server.upstream, timeout=CANCEL_TIMEOUT_S)
+        try:
+            upstream.request(
+                "POST",
+                "/invocations",
+                body=json.dumps({"requestType": "CANCEL_TURN"}),
+                headers={"Content-Type": "application/json", SESSION_HEADER: session_id},
+            )
+            upstream.getresponse().read()
+        except (OSError, http.client.HTTPException):
+            pass  # nothing more to do: the turn ends at its deadline
+        finally:
+            upstream.close()
 
     def _read_body(self) -> bytes | None:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass, field
 
 from llava import errors
 
@@ -15,18 +17,36 @@ STATUS_BY_ERROR: dict[type[errors.EngineError], int] = {
     errors.ImageTooLarge: 413,
     errors.NotAnImage: 415,
     errors.ImageFetchFailed: 424,
-    errors.NoCapacity: 503,
+    errors.NoCapacity: 503,  # and its subclass Busy (KV_MEMORY_FULL), which says when to retry
 }
 INTERNAL_ERROR = 500
 
 
-def error_response(exc: BaseException) -> tuple[int, dict]:
-    """Status and ``{"error": {"code", "message"}}`` for any exception; bugs become 500s."""
+@dataclass(frozen=True)
+class ErrorReply:
+    status: int
+    payload: dict
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def error_response(exc: BaseException) -> ErrorReply:
+    """Status, ``{"error": {"code", "message"}}`` and headers for any exception; bugs are 500s.
+
+    An error that knows when capacity comes back (``retry_after_s``, llava.errors.Busy) also
+    gets ``Retry-After`` in whole seconds, rounded up (RFC 9110 §10.2.3).
+    """
     for cls in type(exc).__mro__:
         if cls in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[cls], _body(exc.code, exc.message)
+            body = _body(exc.code, exc.message)
+            retry_after_s = getattr(exc, "retry_after_s", None)
+            if retry_after_s is None:
+                return ErrorReply(STATUS_BY_ERROR[cls], body)
+            body["error"]["retryAfterS"] = retry_after_s
+            seconds = str(max(1, math.ceil(retry_after_s)))
+            return ErrorReply(STATUS_BY_ERROR[cls], body, {"Retry-After": seconds})
     logger.exception("unexpected error while serving a request", exc_info=exc)
-    return INTERNAL_ERROR, _body("INTERNAL_ERROR", f"internal error: {type(exc).__name__}")
+    message = f"internal error: {type(exc).__name__}"
+    return ErrorReply(INTERNAL_ERROR, _body("INTERNAL_ERROR", message))
 
 
 def _body(code: str, message: str) -> dict:

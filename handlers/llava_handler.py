@@ -1,193 +1,63 @@
-"""TorchServe entry point: ``handle(data, context)``, a thin adapter over ``llava.Engine``.
+"""TorchServe entry point, in async mode (model-config.yaml: ``asyncCommunication: true``).
 
-One request at a time (``batchSize: 1``, one worker per model copy): sessions live in this
-worker's memory, so the worker must see every turn of its sessions
-(docs/design.md §Architecture).
+TorchServe 0.12 runs ``await handler.handle(data, context)`` as its own asyncio task for every
+request, on one event loop in the worker's main thread; ``initialize`` runs earlier, before
+that loop exists. Each request's work (image fetch, the engine's blocking calls, sending chunks)
+runs in a thread of ``pool``, so a slow image or a long turn holds up only its own request
+while the engine batches the turns of all sessions (docs/design.md §Architecture).
+
+The module defines exactly one class: TorchServe takes it as the entry point (a module-level
+``handle`` function would be called at load time without being awaited).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import json
 import logging
-import os
-from collections.abc import Callable
-
-from ts.handler_utils.utils import send_intermediate_predict_response
+from concurrent.futures import ThreadPoolExecutor
 
 from handlers.errors import error_response
-from handlers.metrics import SessionMetrics
-from handlers.protocol import (
-    CLOSED_SESSION_HEADER,
-    NEW_SESSION_HEADER,
-    SESSION_HEADER,
-    AskSession,
-    CloseSession,
-    OpenSession,
-    parse_request,
-    session_header_value,
-)
-from llava.config import load_config
-from llava.engine import Answer, Engine
-from llava.intake import IntakePolicy, load_image
-from llava.model import assigned_device
-from llava.reaper import Reaper
+from handlers.service import LlavaService
+from handlers.worker_socket import lock_worker_socket
 
 logger = logging.getLogger(__name__)
-JSON = "application/json"
-JSON_LINES = "application/jsonlines"
+# Requests served at once (each holds a thread while its turn runs); more wait for a thread.
+MAX_REQUESTS_IN_FLIGHT = 64
 
 
-class LlavaService:
-    def __init__(self, engine: Engine, policy: IntakePolicy, metrics: SessionMetrics):
-        self.engine = engine
-        self.policy = policy
-        self.metrics = metrics
-        # Expired sessions are freed, and the gauges follow, with no request arriving.
-        self.reaper = Reaper(engine.store, on_reap=lambda _count: self.publish()).start()
+class LlavaHandler:
+    def __init__(self):
+        self.service: LlavaService | None = None
+        self.pool: ThreadPoolExecutor | None = None
 
-    @classmethod
-    def from_context(cls, context) -> LlavaService:
-        archived = (context.model_yaml_config or {}).get("handler", {})
-        # Every setting is checked before anything loads: a bad one fails the start with one
-        # line (SettingsError) that scripts/torchserve_ctl.py shows at once.
-        config = load_config(archived, os.environ, context.system_properties["model_dir"])
-        gpu_id = context.system_properties.get("gpu_id")
-        config = dataclasses.replace(config, device=assigned_device(config.device, gpu_id))
-        policy = IntakePolicy.from_mapping(config.intake)
-        engine = Engine.from_config(config)
-        warm_s = engine.warm_up()
-        logger.info(
-            "loaded %s on %s (%s); warm-up %.2f s",
-            config.model_dir,
-            engine.loaded.device,
-            engine.loaded.dtype,
-            warm_s,
-        )
-        return cls(engine, policy, SessionMetrics(context.metrics))
+    def initialize(self, context) -> None:
+        lock_worker_socket()
+        self.service = LlavaService.from_context(context)
+        self.pool = ThreadPoolExecutor(MAX_REQUESTS_IN_FLIGHT, thread_name_prefix="request")
 
-    def serve(self, idx: int, body, context) -> str:
-        reply = _Reply(context, idx)
-        try:
-            reply.content_type(JSON)
-            request = parse_request(body, context.get_all_request_header(idx) or {})
-            if isinstance(request, OpenSession):
-                payload = self._open(request, reply)
-            elif isinstance(request, CloseSession):
-                payload = self._close(request, reply)
-            else:
-                payload = self._ask(request, reply)
-        except Exception as exc:  # every failure becomes a JSON error; the worker lives on
-            status, payload = error_response(exc)
-            if not reply.streaming:  # once streaming, headers are gone: the last line says it
-                reply.status(status)
-                reply.content_type(JSON)
-        self.publish()
-        return json.dumps(payload) + ("\n" if reply.streaming else "")
-
-    def publish(self) -> None:
-        """Gauges from the store's totals (after every request, and from the reaper)."""
-        _metrics_never_fail(lambda: self.metrics.store(self.engine.stats()))
-
-    def _open(self, request: OpenSession, reply: _Reply) -> dict:
-        image = None if request.image is None else load_image(request.image, self.policy)
-        opened = self.engine.open(image, request.session_id)
-        value = session_header_value(opened.session_id, opened.expires_at)
-        reply.header(SESSION_HEADER, value)
-        reply.header(NEW_SESSION_HEADER, value)
-        return {
-            "sessionId": opened.session_id,
-            "expiresAt": _iso(opened.expires_at),
-            "imageTokens": opened.image_tokens,
-            "prefillTokens": opened.prefill_tokens,
-        }
-
-    def _close(self, request: CloseSession, reply: _Reply) -> dict:
-        """Idempotent: a session already closed, expired or evicted is acknowledged too, so
-        the router drops its binding; ``alreadyGone`` says why it was gone (or null)."""
-        already_gone = self.engine.close(request.session_id)
-        reply.header(CLOSED_SESSION_HEADER, request.session_id)
-        return {"sessionId": request.session_id, "closed": True, "alreadyGone": already_gone}
-
-    def _ask(self, request: AskSession, reply: _Reply) -> dict:
-        on_token = None
-        if request.stream:
-            reply.content_type(JSON_LINES)
-            on_token = reply.send_token
-        answer = self.engine.ask(request.session_id, request.question, request.parameters, on_token)
-        _metrics_never_fail(lambda: self.metrics.turn(answer))
-        return _answer_payload(answer)
+    async def handle(self, data, context) -> list[str]:
+        """One reply per row, and never an exception: in 0.12's async mode an exception that
+        leaves ``handle`` fails every request in flight, not just this one."""
+        loop = asyncio.get_running_loop()
+        serve = self.service.serve
+        replies = []
+        for idx, row in enumerate(data or ()):
+            body = row.get("body", row.get("data"))
+            try:
+                reply = await loop.run_in_executor(self.pool, serve, idx, body, context)
+            except BaseException as exc:  # see the docstring
+                reply = _last_resort(exc, idx, context)
+            replies.append(reply)
+        return replies
 
 
-class _Reply:
-    """Headers, status and streamed chunks of one request in the batch."""
-
-    def __init__(self, context, idx: int):
-        self.context = context
-        self.idx = idx
-        self.streaming = False  # True once a chunk went out: status and headers are sent
-
-    def header(self, name: str, value: str) -> None:
-        self.context.set_response_header(self.idx, name, value)
-
-    def content_type(self, value: str) -> None:
-        self.context.set_response_content_type(self.idx, value)
-
-    def status(self, code: int) -> None:
-        self.context.set_response_status(code, "", self.idx)
-
-    def send_token(self, text: str, token_id: int | None) -> None:
-        chunk = json.dumps({"token": {"id": token_id, "text": text}}) + "\n"
-        send_intermediate_predict_response(
-            [chunk], self.context.request_ids, "Intermediate response", 200, self.context
-        )
-        self.streaming = True
-
-
-def _metrics_never_fail(emit: Callable[[], None]) -> None:
-    """A request (or the reaper) never fails because its metrics could not be published."""
+def _last_resort(exc: BaseException, idx: int, context) -> str:
+    """A JSON 500 for a failure outside ``serve`` (which answers every error of its own)."""
+    error = error_response(exc)
     try:
-        emit()
+        context.set_response_status(error.status, "", idx)
+        context.set_response_content_type(idx, "application/json")
     except Exception:
-        logger.exception("publishing session metrics failed")
-
-
-def _iso(moment) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _answer_payload(answer: Answer) -> dict:
-    return {
-        "sessionId": answer.session_id,
-        "generation": {
-            "text": answer.text,
-            "finished": answer.finished,
-            "generatedTokens": len(answer.token_ids),
-        },
-        "usage": {
-            "newTokens": answer.new_tokens,
-            "cachedTokens": answer.cached_tokens,
-            "tier": answer.tier.value,
-        },
-        "timing": {
-            "ttftMs": round(answer.ttft_s * 1000, 2),
-            "totalMs": round(answer.total_s * 1000, 2),
-        },
-        "expiresAt": _iso(answer.expires_at),
-    }
-
-
-_service: LlavaService | None = None
-
-
-def handle(data, context):
-    """TorchServe calls this with ``data=None`` once at load time, then per batch."""
-    global _service
-    if _service is None:
-        _service = LlavaService.from_context(context)
-    if data is None:
-        return None
-    return [
-        _service.serve(idx, row.get("body", row.get("data")), context)
-        for idx, row in enumerate(data)
-    ]
+        logger.exception("could not set the status of a failed request")
+    return json.dumps(error.payload)

@@ -23,6 +23,7 @@ SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 NEW_SESSION = "NEW_SESSION"
+CANCEL_TURN = "CANCEL_TURN"
 _SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
 _MAX_SESSION_ID = 256
 
@@ -46,7 +47,14 @@ class CloseSession:
     session_id: str
 
 
-Request = OpenSession | AskSession | CloseSession
+@dataclass(frozen=True)
+class CancelTurn:
+    """Stop the session's asks in flight at the engine's next step (the session stays open)."""
+
+    session_id: str
+
+
+Request = OpenSession | AskSession | CloseSession | CancelTurn
 
 # Keys that only mean something when asking: an open that carries them would drop them.
 # ("stream" is let through: an open's reply is one small object either way.)
@@ -83,9 +91,10 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     kind = payload.get("requestType", NEW_SESSION if no_id else "SESSION")
     if kind == NEW_SESSION:
         return _open(payload, from_header, from_body)
-    if kind not in ("SESSION", "CLOSE_SESSION"):
+    if kind not in ("SESSION", "CLOSE_SESSION", CANCEL_TURN):
         raise InvalidRequest(
-            f"unknown requestType {kind!r}; use NEW_SESSION, SESSION or CLOSE_SESSION",
+            f"unknown requestType {kind!r}; use NEW_SESSION, SESSION, CLOSE_SESSION or "
+            f"{CANCEL_TURN}",
             code="UNKNOWN_REQUEST_TYPE",
         )
     session_id = _one_session_id(from_header, from_body)
@@ -96,6 +105,8 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
         )
     if kind == "CLOSE_SESSION":
         return CloseSession(session_id)
+    if kind == CANCEL_TURN:
+        return CancelTurn(session_id)
     if "inputs" not in payload:
         raise InvalidRequest("requestType SESSION needs 'inputs': the question to ask")
     stream = payload.get("stream", False)

@@ -76,6 +76,7 @@ def decode(
     eos_token_ids: frozenset[int],
     on_token: Callable[[int], None] | None = None,
     banned_ids: list[int] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Decoded:
     """Prefill ``history[cache length:]`` then decode up to ``params.max_new_tokens`` ids.
 
@@ -104,6 +105,8 @@ def decode(
         if on_token is not None:
             on_token(token)
         if token in eos_token_ids or len(generated) == params.max_new_tokens:
+            break
+        if cancelled is not None and cancelled():  # ends like a max_new_tokens cut
             break
         logits = prefill(model, [token], cache)
     return Decoded(

@@ -109,6 +109,8 @@ class Engine:
         question: str,
         parameters: dict | None = None,
         on_token: Callable[[str, int | None], None] | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Answer:
         """Answer ``question`` in the session.
 
@@ -146,6 +148,7 @@ class Engine:
                     self.loaded.eos_token_ids,
                     stream,
                     self._banned_ids,
+                    cancelled,
                 )
                 held_back = detokenizer.flush()
                 if on_token is not None and held_back:

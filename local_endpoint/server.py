@@ -74,6 +74,10 @@ class BackendDown(Exception):
     """The instance did not answer at all (connection refused or dropped)."""
 
 
+class ClientGone(Exception):
+    """The caller hung up while its reply was being written."""
+
+
 class EndpointServer(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -201,17 +205,34 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
         self.end_headers()
         try:
-            while chunk := reply.read1(65536):
-                for part in _split(chunk, self.server.part_bytes):
-                    self._write_chunk(eventstream.payload_part(part))
-        except (OSError, http.client.HTTPException) as err:
-            message = f"instance {backend.name} broke the stream: {err}"
-            self._write_chunk(eventstream.model_stream_error(message, "ModelStreamError"))
-        self.wfile.write(b"0\r\n\r\n")
+            try:
+                while chunk := reply.read1(65536):
+                    for part in _split(chunk, self.server.part_bytes):
+                        self._write_chunk(eventstream.payload_part(part))
+            except (OSError, http.client.HTTPException) as err:
+                message = f"instance {backend.name} broke the stream: {err}"
+                self._write_chunk(eventstream.model_stream_error(message, "ModelStreamError"))
+            self._write_chunk(b"")
+        except ClientGone:
+            self._cancel_turn(backend)
+            self.close_connection = True
+
+    def _cancel_turn(self, backend: Backend) -> None:
+        """TorchServe never tells its worker that the caller left: say it, so the session's
+        turn stops at its next step (handlers/turns.py)."""
+        try:
+            with self._forward(backend, json.dumps({"requestType": "CANCEL_TURN"}).encode()) as r:
+                r.read()
+        except BackendDown:
+            pass  # the instance is gone, and its turn with it
 
     def _write_chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
+        """One chunk of the chunked reply (empty: the last one)."""
+        try:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError) as err:
+            raise ClientGone from err
 
     def _reject(self, rejected: Rejected) -> None:
         body = {"message": rejected.message, **rejected.fields}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import uuid
 from dataclasses import dataclass
 
@@ -13,8 +14,8 @@ import ts
 from ts.context import Context, RequestProcessor
 from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
 
-from handlers.llava_handler import LlavaService
 from handlers.metrics import SessionMetrics
+from handlers.service import LlavaService
 from llava.engine import Engine
 from llava.intake import IntakePolicy
 
@@ -39,6 +40,7 @@ class InProcessWorker:
         metrics = MetricsCacheYamlImpl(config_file_path=TS_METRICS_YAML)
         metrics.initialize_cache()
         self.context = Context("llava", ".", {}, 1, None, ts.__version__, metrics=metrics)
+        self.context.cl_socket = self.sent = _SentFrames()
         self.service = LlavaService(
             engine, IntakePolicy.from_mapping(intake or {}), SessionMetrics(metrics)
         )
@@ -47,9 +49,42 @@ class InProcessWorker:
         """``body`` as TorchServe hands it over: parsed JSON (a JSON content type) or bytes."""
         self.context.request_processor = [RequestProcessor(headers or {})]
         self.context.request_ids = {0: str(uuid.uuid4())}
-        text = self.service.serve(0, body, self.context)
+        self.sent.bodies.clear()
+        final = self.service.serve(0, body, self.context)
         status, _phrase = self.context.get_response_status(0)
+        text = b"".join(self.sent.bodies).decode() + final  # chunks (a 200's body), then final
         return Reply(status, self.context.get_response_headers(0), text)
 
     def stop(self) -> None:
         self.service.reaper.stop()
+
+
+class _SentFrames:
+    """The worker socket: keeps the body of every frame sent (one request per frame)."""
+
+    def __init__(self):
+        self.bodies: list[bytes] = []
+
+    def sendall(self, frame: bytes) -> None:
+        self.bodies.append(_frame_body(bytes(frame)))
+
+
+def _frame_body(frame: bytes) -> bytes:
+    """The body of a one-request frame (ts.protocol.otf_message_handler.create_predict_response):
+    code, message, then request id, content type, status, phrase, headers, body."""
+    at = 4  # the batch's code
+
+    def sized() -> bytes:
+        nonlocal at
+        (size,) = struct.unpack_from("!i", frame, at)
+        at += 4 + size
+        return frame[at - size : at]
+
+    sized(), sized(), sized()  # message, request id, content type
+    at += 4  # status
+    sized()  # phrase
+    (headers,) = struct.unpack_from("!i", frame, at)
+    at += 4
+    for _ in range(2 * headers):
+        sized()
+    return sized()

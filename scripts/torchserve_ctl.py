@@ -131,12 +131,13 @@ class TorchServeInstance:
             self.stop()
             raise
 
-    def wait_ready(self, timeout: float = 180.0, max_restarts: int = 3) -> int:
+    def wait_ready(self, timeout: float = 180.0) -> int:
         """Poll the management API until a worker of ours is READY; return its pid.
 
         Fails with the logs' tail when Java has exited, when a worker refused a setting (at
-        once, the setting's line first), when the worker has been restarted ``max_restarts``
-        times (TorchServe would retry a crashing handler forever), or after ``timeout`` seconds.
+        once, the setting's line first), when a worker died before it was READY (in async mode
+        TorchServe would wait 10 minutes before retrying; a sync worker would be retried for
+        ever), or after ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
         worker_pids: set[int] = set()
@@ -150,8 +151,9 @@ class TorchServeInstance:
             if bad_setting := SETTINGS_ERROR.search(_tail(self.log_dir / "model_log.log", 200)):
                 raise self._failure(bad_setting.group(1))
             worker_pids.update(w["pid"] for w in workers if w["pid"] > 0)
-            if len(worker_pids) > max_restarts:
-                raise self._failure(f"worker crash loop: {len(worker_pids)} worker processes")
+            # Async mode retries a failed load only after 10 minutes, sync mode for ever.
+            if any(not _alive(pid) for pid in worker_pids):
+                raise self._failure("worker crash loop: the worker died loading the model")
             if time.monotonic() > deadline:
                 raise self._failure(f"no READY worker after {timeout:.0f} s")
             time.sleep(0.25)
@@ -241,6 +243,13 @@ def _ready_pid(workers: list[dict], java: int | None) -> int | None:
         except psutil.Error:
             pass
     return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _children(proc: psutil.Process) -> list[psutil.Process]:

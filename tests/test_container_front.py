@@ -5,8 +5,10 @@ requests pass through unchanged, and a streamed reply leaves the front chunk by 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,12 +27,16 @@ WAIT_S = 20
 
 class Upstream(ThreadingHTTPServer):
     """Echoes a POST's path, headers and body; ``/stream`` sends two chunks and, between
-    them, waits until the test has received the first one through the front."""
+    them, waits until the test has received the first one through the front; ``/json-chunked``
+    sends a JSON body in chunks (as the async worker sends every 200); ``/endless`` streams
+    lines until a ``CANCEL_TURN`` arrives (recorded in ``cancels``)."""
 
     daemon_threads = True
 
     def __init__(self):
         self.first_chunk_seen = threading.Event()
+        self.cancels: list[str] = []
+        self.cancelled = threading.Event()
         super().__init__(("127.0.0.1", 0), _UpstreamHandler)
 
 
@@ -40,14 +46,16 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path == "/stream":
+        if body and json.loads(body).get("requestType") == "CANCEL_TURN":
+            self.server.cancels.append(self.headers["X-Amzn-SageMaker-Session-Id"])
+            self.server.cancelled.set()
+        if self.path in ("/stream", "/json-chunked", "/endless"):
             self.send_response(200)
+            kind = "application/json" if self.path == "/json-chunked" else "application/jsonlines"
+            self.send_header("Content-Type", kind)
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            self._chunk(b"first\n")
-            self.server.first_chunk_seen.wait(WAIT_S)
-            self._chunk(b"second\n")
-            self.wfile.write(b"0\r\n\r\n")
+            getattr(self, "_" + self.path[1:].replace("-", "_"))()
             return
         echo = json.dumps(
             {"path": self.path, "body": body.decode(), "session": self.headers["X-Session"]}
@@ -57,6 +65,24 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(echo)))
         self.end_headers()
         self.wfile.write(echo)
+
+    def _stream(self) -> None:
+        self._chunk(b"first\n")
+        self.server.first_chunk_seen.wait(WAIT_S)
+        self._chunk(b"second\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _json_chunked(self) -> None:
+        self._chunk(b'{"answer": ')
+        self._chunk(b'"whole"}')
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _endless(self) -> None:
+        """A token every 10 ms until the turn is cancelled (or WAIT_S passed)."""
+        with contextlib.suppress(OSError):
+            while not self.server.cancelled.wait(0.01):
+                self._chunk(b'{"token": {"text": "x"}}\n')
+            self.wfile.write(b"0\r\n\r\n")
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -157,3 +183,25 @@ def test_expect_continue_is_answered_by_the_front(front):
         timeout=WAIT_S,
     )
     assert reply.status_code == 200 and len(reply.json()["body"]) == len(body)
+
+
+def test_a_chunked_json_reply_leaves_whole_with_a_content_length(front):
+    """SageMaker's InvokeEndpoint reads a body with a length; the worker now chunks every 200."""
+    reply = requests.post(f"{front}/json-chunked", data=b"{}", timeout=WAIT_S)
+    assert reply.json() == {"answer": "whole"}
+    assert reply.headers["Content-Length"] == str(len(reply.content))
+    assert "Transfer-Encoding" not in reply.headers
+
+
+def test_a_client_hanging_up_mid_stream_cancels_its_sessions_turn(front, upstream):
+    host, port = front.removeprefix("http://").split(":")
+    body = b'{"requestType": "SESSION", "inputs": "Hi", "stream": true}'
+    client = socket.create_connection((host, int(port)), timeout=WAIT_S)
+    client.sendall(
+        b"POST /endless HTTP/1.1\r\nHost: front\r\nContent-Length: %d\r\n"
+        b"X-Amzn-SageMaker-Session-Id: session-1\r\n\r\n%s" % (len(body), body)
+    )
+    assert b"200" in client.recv(1024)  # the stream has started
+    client.close()
+    assert upstream.cancelled.wait(WAIT_S), "no CANCEL_TURN reached the upstream"
+    assert upstream.cancels == ["session-1"]

@@ -72,3 +72,39 @@ def test_an_id_in_use_is_refused_before_any_model_work(worker, monkeypatch):
     again = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
     assert again.status == 400 and again.json()["error"]["code"] == "SESSION_ID_IN_USE"
     assert vision_runs == []
+
+
+@pytest.mark.parametrize(
+    "parameters, reason",
+    [(None, "eos"), ({"max_new_tokens": 1, "min_new_tokens": 1}, "max_new_tokens")],
+)
+def test_the_answer_says_why_it_ended(worker, parameters, reason):
+    session_id = open_session(worker)
+    body = {"requestType": "SESSION", "inputs": "Hi", "parameters": parameters}
+    reply = worker.invoke(body, {SESSION: session_id})
+    assert reply.json()["generation"]["finishReason"] == reason
+
+
+def test_a_cancelled_turn_stops_at_the_next_step_and_is_kept(worker, monkeypatch):
+    """The first token cancels the session's turns in flight (what CANCEL_TURN does when the
+    front sees a client hang up): the turn ends one step later, cut like max_new_tokens."""
+    session_id = open_session(worker)
+    cancelled = []
+    ask = worker.service.engine.ask
+
+    def ask_cancelled_at_the_first_token(session, question, parameters, on_token, **kwargs):
+        def first_token_cancels(text, token_id):
+            if not cancelled:
+                cancelled.append(worker.service.turns.cancel(session_id))
+
+        return ask(session, question, parameters, first_token_cancels, **kwargs)
+
+    monkeypatch.setattr(worker.service.engine, "ask", ask_cancelled_at_the_first_token)
+    long = {"max_new_tokens": 200, "min_new_tokens": 200}
+    body = {"requestType": "SESSION", "inputs": "Hi", "parameters": long}
+    generation = worker.invoke(body, {SESSION: session_id}).json()["generation"]
+    assert cancelled == [1]
+    assert generation["generatedTokens"] == 1 and generation["finished"] is False
+    assert worker.service.turns.cancel(session_id) == 0  # nothing left in flight
+    reply = worker.invoke({"requestType": "CANCEL_TURN"}, {SESSION: session_id})
+    assert reply.json() == {"sessionId": session_id, "cancelledTurns": 0}

@@ -158,6 +158,30 @@ def test_streaming_yields_incremental_text(rt, client, images):
     chat.close()
 
 
+def test_a_caller_hanging_up_mid_stream_stops_its_turn(rt, images):
+    """The endpoint sees the caller's socket close and sends CANCEL_TURN (TorchServe never tells
+    its worker). The cut turn is kept, so the next turn's prompt shows how short it was."""
+    long = {"max_new_tokens": 300, "min_new_tokens": 300}
+    body = {"requestType": "SESSION", "inputs": "What shape is it?", "parameters": long}
+    next_question = {"requestType": "SESSION", "inputs": "And its color?"}
+
+    def stream(session_id):
+        return rt.invoke_endpoint_with_response_stream(
+            EndpointName=ENDPOINT, SessionId=session_id, Body=json.dumps({**body, "stream": True})
+        )["Body"]
+
+    def next_prompt_tokens(session_id) -> int:
+        usage = json.loads(invoke(rt, session_id, next_question)["Body"].read())["usage"]
+        return usage["newTokens"] + usage["cachedTokens"]
+
+    (reference, _), (cut, _) = open_raw(rt, images.url(0)), open_raw(rt, images.url(0))
+    assert sum(1 for _ in stream(reference)) > 300  # the whole answer, in small parts
+    events = stream(cut)
+    assert "PayloadPart" in next(iter(events))  # streaming has begun
+    events.close()  # the caller hangs up
+    assert next_prompt_tokens(cut) < next_prompt_tokens(reference) - 150
+
+
 def test_a_stream_cannot_open_a_session(rt):
     with pytest.raises(ClientError) as raised:
         rt.invoke_endpoint_with_response_stream(

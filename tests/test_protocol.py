@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from handlers.errors import STATUS_BY_ERROR, error_response
 from handlers.protocol import (
     AskSession,
+    CancelTurn,
     CloseSession,
     OpenSession,
     parse_request,
@@ -71,6 +72,14 @@ def test_the_seeds_client_shapes_are_accepted():
     assert parse_request(body, {}) == AskSession(SID, "Hi", {"max_new_tokens": 4}, True)
     close = {"requestType": "CLOSE_SESSION", "extSessionID": SID}
     assert parse_request(close, {}) == CloseSession(SID)
+
+
+def test_cancel_turn_names_the_session_like_close():
+    cancel = {"requestType": "CANCEL_TURN"}
+    assert parse_request(cancel, {"X-Amzn-SageMaker-Session-Id": SID}) == CancelTurn(SID)
+    with pytest.raises(InvalidRequest) as err:
+        parse_request(cancel, {})
+    assert err.value.code == "MISSING_SESSION_ID"
 
 
 def test_without_request_type_the_header_decides():
@@ -194,9 +203,31 @@ EXPECTED_STATUS = {
 
 @pytest.mark.parametrize("cls, status", EXPECTED_STATUS.items(), ids=lambda v: str(v))
 def test_every_engine_error_maps_to_its_status_with_a_json_body(cls, status):
-    code, body = error_response(cls("what to change"))
-    assert code == status
-    assert body == {"error": {"code": cls.code, "message": "what to change"}}
+    reply = error_response(cls("what to change"))
+    assert reply.status == status
+    assert reply.payload == {"error": {"code": cls.code, "message": "what to change"}}
+    assert reply.headers == {}
+
+
+class KVMemoryFull(errors.NoCapacity):
+    """A stand-in for llava.errors.Busy (sched's engine): a 503 that says when to retry."""
+
+    code = "KV_MEMORY_FULL"
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@pytest.mark.parametrize("retry_after_s, header", [(0.2, "1"), (2.0, "2"), (2.5, "3")])
+def test_busy_is_a_503_with_retry_after_in_whole_seconds(retry_after_s, header):
+    reply = error_response(KVMemoryFull("the KV pool is full", retry_after_s))
+    assert (reply.status, reply.headers) == (503, {"Retry-After": header})
+    assert reply.payload["error"] == {
+        "code": "KV_MEMORY_FULL",
+        "message": "the KV pool is full",
+        "retryAfterS": retry_after_s,
+    }
 
 
 def test_every_engine_error_class_is_in_the_table():
@@ -205,8 +236,8 @@ def test_every_engine_error_class_is_in_the_table():
 
 
 def test_a_bug_is_a_500_that_names_no_internals():
-    status, body = error_response(KeyError("secret internal detail"))
-    assert status == 500 and "secret" not in body["error"]["message"]
+    reply = error_response(KeyError("secret internal detail"))
+    assert reply.status == 500 and "secret" not in reply.payload["error"]["message"]
 
 
 request_like = st.fixed_dictionaries(
@@ -236,4 +267,4 @@ def test_arbitrary_input_is_a_request_or_a_typed_error(body, headers):
     except EngineError as err:
         assert err.code and err.message
     else:
-        assert isinstance(request, OpenSession | AskSession | CloseSession)
+        assert isinstance(request, OpenSession | AskSession | CloseSession | CancelTurn)

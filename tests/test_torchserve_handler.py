@@ -315,6 +315,12 @@ def test_an_expired_session_gets_400_expired(short_ttl_server, images):
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "SESSION_EXPIRED"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="TorchServe 0.12 async mode: a restarted worker stays UNLOADING on the management "
+    "API, and a request arriving while it reloads crash-loops it ('Received more than 1 "
+    "control command'); docs/design-asyncw.md §Worker restarts",
+)
 def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images):
     url, truth = images["b"]
     session_id = open_session(short_ttl_server, url)

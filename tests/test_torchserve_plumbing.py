@@ -19,21 +19,30 @@ from scripts.torchserve_ctl import TorchServeError, TorchServeInstance
 pytestmark = pytest.mark.torchserve
 
 # Answers with where the worker found llava and its weights: proves the .mar is self-contained.
+# A class with an async handle, as model-config.yaml's async mode needs (handlers/llava_handler.py).
 PROBE_HANDLER = """
 import json, os
 import llava.errors
 
-def handle(data, context):
-    if data is None:  # TorchServe's initialize call
-        return None
-    base = context.system_properties["model_dir"]
-    model_dir = os.path.join(base, context.model_yaml_config["handler"]["model_dir"])
-    return [json.dumps({"llava": llava.errors.__file__, "base": base, "model_dir": model_dir,
-                        "has_config": os.path.isfile(os.path.join(model_dir, "config.json"))})]
+class Probe:
+    def initialize(self, context):
+        pass
+
+    async def handle(self, data, context):
+        base = context.system_properties["model_dir"]
+        model_dir = os.path.join(base, context.model_yaml_config["handler"]["model_dir"])
+        return [json.dumps({"llava": llava.errors.__file__, "base": base, "model_dir": model_dir,
+                            "has_config": os.path.isfile(os.path.join(model_dir, "config.json"))})]
 """
 CRASHING_HANDLERS = {
     "crash_import": 'raise RuntimeError("boom at import")\n',
-    "crash_init": 'def handle(data, context):\n    raise RuntimeError("boom in initialize")\n',
+    "crash_init": (
+        "class Crash:\n"
+        "    def initialize(self, context):\n"
+        '        raise RuntimeError("boom in initialize")\n\n'
+        "    async def handle(self, data, context):\n"
+        "        return []\n"
+    ),
 }
 
 

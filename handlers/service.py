@@ -1,0 +1,228 @@
+"""The requests of one worker: parse, dispatch to ``llava.Engine``, shape the reply.
+
+``LlavaService.serve`` handles one request, blocking, in a thread of its own (the async entry
+point, handlers/llava_handler.py, runs each request in its pool): image fetch and decode, and
+the wait on the engine, happen there, never on TorchServe's event loop
+(docs/design.md §Architecture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable
+
+from ts.handler_utils.utils import send_intermediate_predict_response
+
+from handlers.errors import error_response
+from handlers.metrics import SessionMetrics
+from handlers.protocol import (
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+    AskSession,
+    CancelTurn,
+    CloseSession,
+    OpenSession,
+    parse_request,
+    session_header_value,
+)
+from handlers.turns import TurnsInFlight
+from llava.config import load_config
+from llava.engine import Answer, Engine
+from llava.intake import IntakePolicy, load_image
+from llava.model import assigned_device
+from llava.reaper import Reaper
+
+logger = logging.getLogger(__name__)
+JSON = "application/json"
+JSON_LINES = "application/jsonlines"
+
+
+class LlavaService:
+    def __init__(self, engine: Engine, policy: IntakePolicy, metrics: SessionMetrics):
+        self.engine = engine
+        self.policy = policy
+        self.metrics = metrics
+        self.turns = TurnsInFlight()
+        # Expired sessions are freed, and the gauges follow, with no request arriving.
+        self.reaper = Reaper(engine.store, on_reap=lambda _count: self.publish()).start()
+
+    @classmethod
+    def from_context(cls, context) -> LlavaService:
+        archived = (context.model_yaml_config or {}).get("handler", {})
+        # Every setting is checked before anything loads: a bad one fails the start with one
+        # line (SettingsError) that scripts/torchserve_ctl.py shows at once.
+        config = load_config(archived, os.environ, context.system_properties["model_dir"])
+        gpu_id = context.system_properties.get("gpu_id")
+        config = dataclasses.replace(config, device=assigned_device(config.device, gpu_id))
+        policy = IntakePolicy.from_mapping(config.intake)
+        engine = Engine.from_config(config)
+        warm_s = engine.warm_up()
+        logger.info(
+            "loaded %s on %s (%s); warm-up %.2f s",
+            config.model_dir,
+            engine.loaded.device,
+            engine.loaded.dtype,
+            warm_s,
+        )
+        return cls(engine, policy, SessionMetrics(context.metrics))
+
+    def serve(self, idx: int, body, context) -> str:
+        """The reply to request ``idx``: what TorchServe sends as the final response."""
+        reply = _Reply(context, idx)
+        try:
+            reply.content_type(JSON)
+            request = parse_request(body, context.get_all_request_header(idx) or {})
+            if isinstance(request, OpenSession):
+                payload = self._open(request, reply)
+            elif isinstance(request, CloseSession):
+                payload = self._close(request, reply)
+            elif isinstance(request, CancelTurn):
+                payload = self._cancel(request)
+            else:
+                payload = self._ask(request, reply)
+        except Exception as exc:  # every failure becomes a JSON error; the worker lives on
+            error = error_response(exc)
+            payload = error.payload
+            if not reply.streaming:  # once streaming, headers are gone: the last line says it
+                reply.status(error.status)
+                reply.content_type(JSON)
+                for name, value in error.headers.items():
+                    reply.header(name, value)
+        self.publish()
+        return reply.finish(json.dumps(payload) + ("\n" if reply.streaming else ""))
+
+    def publish(self) -> None:
+        """Gauges from the store's totals (after every request, and from the reaper)."""
+        _metrics_never_fail(lambda: self.metrics.store(self.engine.stats()))
+
+    def _open(self, request: OpenSession, reply: _Reply) -> dict:
+        image = None if request.image is None else load_image(request.image, self.policy)
+        opened = self.engine.open(image, request.session_id)
+        value = session_header_value(opened.session_id, opened.expires_at)
+        reply.header(SESSION_HEADER, value)
+        reply.header(NEW_SESSION_HEADER, value)
+        return {
+            "sessionId": opened.session_id,
+            "expiresAt": _iso(opened.expires_at),
+            "imageTokens": opened.image_tokens,
+            "prefillTokens": opened.prefill_tokens,
+        }
+
+    def _close(self, request: CloseSession, reply: _Reply) -> dict:
+        """Idempotent: a session already closed, expired or evicted is acknowledged too, so
+        the router drops its binding; ``alreadyGone`` says why it was gone (or null)."""
+        already_gone = self.engine.close(request.session_id)
+        reply.header(CLOSED_SESSION_HEADER, request.session_id)
+        return {"sessionId": request.session_id, "closed": True, "alreadyGone": already_gone}
+
+    def _cancel(self, request: CancelTurn) -> dict:
+        """Sent by the front or the local endpoint when a client hung up mid-stream."""
+        cancelled = self.turns.cancel(request.session_id)
+        return {"sessionId": request.session_id, "cancelledTurns": cancelled}
+
+    def _ask(self, request: AskSession, reply: _Reply) -> dict:
+        on_token = None
+        if request.stream:
+            reply.content_type(JSON_LINES)
+            on_token = reply.send_token
+        with self.turns.track(request.session_id) as cancelled:
+            answer = self.engine.ask(
+                request.session_id,
+                request.question,
+                request.parameters,
+                on_token,
+                cancelled=cancelled.is_set,
+            )
+        _metrics_never_fail(lambda: self.metrics.turn(answer))
+        return _answer_payload(answer)
+
+
+class _Reply:
+    """Headers, status and streamed chunks of one request."""
+
+    def __init__(self, context, idx: int):
+        self.context = context
+        self.idx = idx
+        self.code = 200
+        self.streaming = False  # True once a chunk went out: status and headers are sent
+
+    def header(self, name: str, value: str) -> None:
+        self.context.set_response_header(self.idx, name, value)
+
+    def content_type(self, value: str) -> None:
+        self.context.set_response_content_type(self.idx, value)
+
+    def status(self, code: int) -> None:
+        self.code = code
+        self.context.set_response_status(code, "", self.idx)
+
+    def send_token(self, text: str, token_id: int | None) -> None:
+        self._send(json.dumps({"token": {"id": token_id, "text": text}}) + "\n")
+
+    def finish(self, body: str) -> str:
+        """What to return as the final reply.
+
+        TorchServe 0.12 in async mode drops a request from its frontend's job table only on a
+        reply marked as the end of a stream; a plain 200 stays there for ever, holding its
+        request (docs/design.md §TorchServe 0.12 facts). So a 200 goes out as one chunk and
+        the final reply is empty. Not an error: the frontend closes the client's connection
+        after a streamed head with a status >= 400.
+        """
+        if self.streaming or self.code >= 400:
+            return body
+        self._send(body)
+        return ""
+
+    def _send(self, chunk: str) -> None:
+        send_intermediate_predict_response(
+            [chunk], self.context.request_ids, "Intermediate response", 200, self.context
+        )
+        self.streaming = True
+
+
+def _metrics_never_fail(emit: Callable[[], None]) -> None:
+    """A request (or the reaper) never fails because its metrics could not be published."""
+    try:
+        emit()
+    except Exception:
+        logger.exception("publishing session metrics failed")
+
+
+def _iso(moment) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _answer_payload(answer: Answer) -> dict:
+    return {
+        "sessionId": answer.session_id,
+        "generation": {
+            "text": answer.text,
+            "finished": answer.finished,
+            "finishReason": _finish_reason(answer),
+            "generatedTokens": len(answer.token_ids),
+        },
+        "usage": {
+            "newTokens": answer.new_tokens,
+            "cachedTokens": answer.cached_tokens,
+            "tier": answer.tier.value,
+        },
+        "timing": {
+            "ttftMs": round(answer.ttft_s * 1000, 2),
+            "totalMs": round(answer.total_s * 1000, 2),
+        },
+        "expiresAt": _iso(answer.expires_at),
+    }
+
+
+def _finish_reason(answer: Answer) -> str:
+    """``eos``, ``max_new_tokens``, ``deadline`` or ``cancelled``: the engine's stop_reason.
+    Until the batching engine lands (issue 13), Answer has no stop_reason and says only
+    whether the answer finished."""
+    reason = getattr(answer, "stop_reason", None)
+    if reason is None:
+        reason = "eos" if answer.finished else "max_new_tokens"
+    return reason
