@@ -62,14 +62,14 @@ def replay(engine: Engine, mode: str, image, prompts, params: GenerationParams):
     loaded = engine.loaded
     preprocess = loaded.processor.image_processor
     pixels = preprocess(images=image, return_tensors="pt").pixel_values
-    features = engine._image_features(pixels)
+    features = engine.image_features(pixels)
     timings = []
     for prompt in prompts:
         start = time.perf_counter()
         if mode == "stateless":
             pixels = preprocess(images=image, return_tensors="pt").pixel_values
         if mode in ("stateless", "pixels"):
-            features = engine._image_features(pixels)
+            features = engine.image_features(pixels)
         setup = time.perf_counter() - start
         out = decode(loaded.model, prompt, DynamicCache(), features, params, loaded.eos_token_ids)
         timings.append((setup + out.prefill_s, setup + out.total_s))
