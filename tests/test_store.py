@@ -14,11 +14,11 @@ from llava.store import SessionStore, new_session_id
 
 SAGEMAKER_SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
 KV_BYTES = 2 * 2 * 1 * 4 * 100 * 8 * 4  # layers × (k, v) × batch × heads × tokens × dim × fp32
-# Sessions' KV lives in a pool of 4-token blocks (100 tokens = 25 blocks, exactly KV_BYTES).
+# Sessions' KV lives in a pool of 2-token blocks: 100 and 150 tokens fill whole blocks.
 TEXT_CONFIG = LlamaConfig(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, hidden_size=32, head_dim=8
 )
-POOL = KVPool(TEXT_CONFIG, budget_bytes=1 << 26, device="cpu", dtype=torch.float32, block_tokens=4)
+POOL = KVPool(TEXT_CONFIG, budget_bytes=1 << 26, device="cpu", dtype=torch.float32, block_tokens=2)
 
 
 class FakeClock:
