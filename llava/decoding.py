@@ -19,13 +19,13 @@ class Chooser:
         self,
         params: GenerationParams,
         eos_token_ids: frozenset[int],
-        banned_ids: torch.Tensor,
+        banned_ids: list[int],
         device: torch.device,
     ):
         self.params = params
         self.eos_token_ids = eos_token_ids
         self._eos = torch.tensor(sorted(eos_token_ids), device=device)
-        self._banned = banned_ids
+        self._banned = torch.tensor(banned_ids, dtype=torch.long, device=device)
         self._generator = None
         if not params.greedy and params.seed is not None:
             self._generator = torch.Generator(device=device).manual_seed(params.seed)

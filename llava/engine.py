@@ -51,12 +51,8 @@ class Engine:
         self.config = config
         self.device = loaded.device
         self.image_token_id = loaded.model.config.image_token_id
-        self.banned = torch.tensor(
-            banned_token_ids(
-                loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
-            ),
-            dtype=torch.long,
-            device=loaded.device,
+        self._banned_ids = banned_token_ids(
+            loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
         )
         self.pool = KVPool(
             loaded.model.config.text_config,
@@ -89,13 +85,13 @@ class Engine:
         return time.perf_counter() - start
 
     def _warm_up(self, pixels: torch.Tensor) -> None:
-        features = self.image_features(pixels)
+        features = self._image_features(pixels)
         ids = self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0])
         kv = self.pool.new_kv()
         try:
             self.store.reserve(kv, len(ids) + 1)
             self.runner.step([StepInput(kv, ids, features)])
-            self.runner.step([StepInput(kv, ids[-1:], None)])
+            self.runner.step([StepInput(kv, ids[:1], None)])  # ids[0]: not an image token
         finally:
             self.store.release(kv)
 
@@ -151,7 +147,7 @@ class Engine:
         return self.loaded.processor.image_processor(images=image, return_tensors="pt").pixel_values
 
     @torch.inference_mode()
-    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def _image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The vision tower + projector, once per session: (image tokens, hidden) features."""
         model = self.loaded.model
         pixels = pixel_values.to(self.loaded.device, self.loaded.dtype)

@@ -204,4 +204,3 @@ def _resolve(future: Future, fn: Callable[[], Any]) -> None:
         future.set_result(fn())
     except BaseException as error:
         future.set_exception(error)
-

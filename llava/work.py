@@ -129,7 +129,7 @@ class OpenRequest(_Request):
     def admit(self) -> None:
         engine = self.engine
         if self.pixels is not None and self.features is None:  # kept if Busy makes it wait
-            self.features = engine.image_features(self.pixels)
+            self.features = engine._image_features(self.pixels)
         image_tokens = 0 if self.features is None else self.features.shape[0]
         ids = engine.loaded.prompt.opening_ids(self.features is not None, image_tokens)
         kv = engine.pool.new_kv()
@@ -182,7 +182,8 @@ class TurnRequest(_Request):
         self.on_token = on_token
         self.cancelled = cancelled
         self.session: Session | None = None
-        self.chooser = Chooser(params, engine.loaded.eos_token_ids, engine.banned, engine.device)
+        eos = engine.loaded.eos_token_ids
+        self.chooser = Chooser(params, eos, engine._banned_ids, engine.device)
         self.detokenizer = Detokenizer(engine.loaded.tokenizer)
         self.first_token_at: float | None = None
 
@@ -260,7 +261,7 @@ class TurnRequest(_Request):
         held_back = self.detokenizer.flush()
         if held_back:
             self._emit(held_back, None)
-        engine, store, session = self.engine, self.engine.store, self.session
+        store, session = self.engine.store, self.session
         generated = self.chooser.generated
         text = self.detokenizer.text
         # No end token in the history: the chat template renders none after an answer, so
@@ -297,4 +298,3 @@ class TurnRequest(_Request):
             self.engine.store.end_turn(session)
             self.session = None
         self.future.set_exception(error)
-
