@@ -1,4 +1,5 @@
-"""Choosing one sequence's next id from its logits: the per-turn sampling state.
+"""Choosing one sequence's next id from its logits: the per-turn sampling state; and the
+model's own forward on a DynamicCache, the reference the step runner is tested against.
 
 Each turn in a batch has its own ``Chooser`` (its parameters, its seeded generator, its
 count of ids so far), so a batched step gives each sequence exactly what it would get alone:
@@ -8,8 +9,27 @@ greedy is an argmax of its own row, sampling draws from its own generator.
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from llava.generation import GenerationParams
+
+
+@torch.inference_mode()
+def prefill(
+    model, ids: list[int], cache: DynamicCache, image_features: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Run ``ids`` through the model on top of ``cache``; return the last position's logits
+    (tests/test_runner.py checks llava.runner against this)."""
+    image = {}
+    if image_features is not None:
+        pooled = BaseModelOutputWithPooling(pooler_output=[image_features])
+        image = {"mm_encoder_outputs": {"image": pooled}}
+    input_ids = torch.tensor([ids], device=model.device)
+    out = model(
+        input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **image
+    )
+    return out.logits[0, -1].float()
 
 
 class Chooser:
