@@ -2,10 +2,10 @@
 
 The real handler runs in-process (TorchServe's Context, no frontend) on the demo model; the
 idle sessions each hold one block of the engine's KV pool (only the bookkeeping is measured).
-Columns: the handler's time per ask, the store's own
-bookkeeping per request (a turn's enter/leave plus the stats the handler publishes), and, for
-contrast, one walk of every session's tensors, which is what each request used to pay (twice:
-once for the stats, once for the budget check).
+Columns: the handler's time per ask, the store's own bookkeeping per request (a turn's
+enter/leave plus the stats the handler publishes), and, for contrast, one walk of every
+session's tensors, which is what each request used to pay (twice: once for the stats, once
+for the budget check).
 """
 
 from __future__ import annotations
