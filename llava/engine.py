@@ -141,6 +141,10 @@ class Engine:
     def stats(self) -> StoreStats:
         return self.store.stats()
 
+    def stop(self) -> None:
+        """End the loop thread (requests still queued are not answered); for a clean exit."""
+        self.loop.stop(wait=True)
+
     # -- helpers ---------------------------------------------------------------------------
     def _pixels(self, image: Image.Image) -> torch.Tensor:
         """The processor's preprocessing: runs in the caller's thread, off the loop."""

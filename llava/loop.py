@@ -71,8 +71,10 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
         self._inbox.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def submit(self, request: Request) -> Any:
         """Queue ``request`` and wait for its result (raises what it failed with)."""
