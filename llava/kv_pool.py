@@ -23,6 +23,12 @@ def kv_geometry(text_config) -> tuple[int, int, int]:
     return text_config.num_hidden_layers, kv_heads, head_dim
 
 
+def kv_bytes_per_token(text_config, dtype) -> int:
+    """K and V of one token in every layer: a budget of N tokens is N times this."""
+    layers, kv_heads, head_dim = kv_geometry(text_config)
+    return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class KVPool:
     """The pool tensor is [layers, 2 (K, V), kv_heads, total_blocks * block_tokens, head_dim].
 
@@ -35,9 +41,8 @@ class KVPool:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         layers, kv_heads, head_dim = kv_geometry(text_config)
-        element = torch.empty((), dtype=dtype).element_size()
         self.block_tokens = block_tokens
-        self.bytes_per_block = layers * 2 * kv_heads * block_tokens * head_dim * element
+        self.bytes_per_block = block_tokens * kv_bytes_per_token(text_config, dtype)
         self.total_blocks = budget_bytes // self.bytes_per_block
         if self.total_blocks < 1:
             raise ValueError(
@@ -49,11 +54,12 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
-        self._free: list[int] = list(range(self.total_blocks - 1, -1, -1))  # pop() gives 0 first
+        self._free_map = bytearray(b"\x01") * self.total_blocks  # 1: block i is free
+        self._free_count = self.total_blocks
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self._free_count
 
     @property
     def allocated_bytes(self) -> int:
@@ -68,15 +74,36 @@ class KVPool:
         wanted = -(-(kv.length + extra_tokens) // self.block_tokens)
         return max(0, wanted - len(kv.blocks))
 
-    def _take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVPoolFull(f"need {n} KV blocks, {len(self._free)} free of {self.total_blocks}")
-        taken = self._free[len(self._free) - n :]
-        del self._free[len(self._free) - n :]
-        return taken[::-1]
+    def _take(self, n: int, after: int | None) -> list[int]:
+        """``n`` free blocks, contiguous where possible: right after block ``after`` (the
+        session's last), else the first free run of ``n``, else the lowest free blocks.
+        Contiguous blocks let the runner read a session's KV in place, without a gather."""
+        if n > self._free_count:
+            raise KVPoolFull(f"need {n} KV blocks, {self._free_count} free of {self.total_blocks}")
+        if n == 0:
+            return []
+        run = b"\x01" * n
+        start = -1
+        if after is not None and self._free_map[after + 1 : after + 1 + n] == run:
+            start = after + 1
+        if start < 0:
+            start = self._free_map.find(run)
+        if start >= 0:
+            taken = list(range(start, start + n))
+        else:
+            taken, at = [], -1
+            while len(taken) < n:
+                at = self._free_map.find(1, at + 1)
+                taken.append(at)
+        for block in taken:
+            self._free_map[block] = 0
+        self._free_count -= n
+        return taken
 
     def _give_back(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for block in blocks:
+            self._free_map[block] = 1
+        self._free_count += len(blocks)
 
 
 class SessionKV:
@@ -100,7 +127,8 @@ class SessionKV:
         """Hold blocks for ``length + extra_tokens`` tokens; raises KVPoolFull taking none."""
         if extra_tokens < 0:
             raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
-        self.blocks.extend(self.pool._take(self.pool.blocks_needed(self, extra_tokens)))
+        last = self.blocks[-1] if self.blocks else None
+        self.blocks.extend(self.pool._take(self.pool.blocks_needed(self, extra_tokens), last))
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens; whole blocks past them go back to the pool."""
@@ -116,6 +144,15 @@ class SessionKV:
         self.pool._give_back(self.blocks)
         self.blocks = []
         self.length = 0
+
+    def contiguous_slots(self, stop: int) -> slice | None:
+        """Pool slots of positions ``0..stop-1`` as one slice, if their blocks are adjacent."""
+        bt = self.pool.block_tokens
+        used = -(-stop // bt)
+        first = self.blocks[0] if self.blocks else 0
+        if self.blocks[:used] != list(range(first, first + used)):
+            return None
+        return slice(first * bt, first * bt + stop)
 
     def slots(self, start: int, stop: int) -> torch.Tensor:
         """Pool token slots of positions ``start..stop-1``, all within held blocks."""

@@ -31,14 +31,19 @@ class StepInput:
 
 
 @dataclass(frozen=True)
+class _Sequence:
+    span: tuple[int, int]  # its [start, stop) in the packed tokens
+    keys: slice | torch.Tensor  # its pool slots 0..new length: a slice reads them in place
+    mask: torch.Tensor | None  # [new, past + new]: new token i sees the past and new 0..i
+
+
+@dataclass(frozen=True)
 class _Packed:
     """Per-step tensors shared by every layer."""
 
     positions: torch.Tensor  # [T] each token's true position (kv.length + offset)
     write_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
-    spans: list[tuple[int, int]]  # each sequence's [start, stop) in the packed tokens
-    read_slots: list[torch.Tensor]  # each sequence's slots 0..new length
-    masks: list[torch.Tensor | None]  # causal mask of new tokens over past + new (None: 1 token)
+    sequences: list[_Sequence]
 
 
 def _layer_problem(layer) -> str | None:
@@ -111,7 +116,7 @@ class Runner:
             attended = self._attention(index, layer, layer.input_layernorm(hidden), rotary, packed)
             hidden = hidden + attended
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        last = torch.tensor([stop - 1 for _, stop in packed.spans], device=hidden.device)
+        last = torch.tensor([s.span[1] - 1 for s in packed.sequences], device=hidden.device)
         logits = self.model.lm_head(self.lm.norm(hidden[last]))
         for item in batch:
             item.kv.length += len(item.ids)
@@ -124,7 +129,7 @@ class Runner:
         if len({id(item.kv) for item in batch}) != len(batch):
             raise ValueError("a sequence appears twice in one step")
         device = self.pool.kv.device
-        positions, write_slots, spans, read_slots, masks = [], [], [], [], []
+        positions, write_slots, sequences = [], [], []
         start = 0
         for item in batch:
             kv, n = item.kv, len(item.ids)
@@ -137,34 +142,42 @@ class Runner:
                     f"{n} new ids after {kv.length} need {kv.length + n} reserved tokens, "
                     f"{kv.capacity} are: reserve first"
                 )
-            positions.append(torch.arange(kv.length, kv.length + n, device=device))
-            write_slots.append(kv.slots(kv.length, kv.length + n))
-            read_slots.append(kv.slots(0, kv.length + n))
-            spans.append((start, start + n))
-            # New token i sees every past token and new tokens 0..i.
-            masks.append(
-                None
-                if n == 1
-                else torch.ones(n, kv.length + n, dtype=torch.bool, device=device).tril(kv.length)
+            stop = kv.length + n
+            positions.append(torch.arange(kv.length, stop, device=device))
+            write_slots.append(kv.slots(kv.length, stop))
+            keys = kv.contiguous_slots(stop)
+            mask = None
+            if n > 1:
+                mask = torch.ones(n, stop, dtype=torch.bool, device=device).tril(kv.length)
+            sequences.append(
+                _Sequence((start, start + n), kv.slots(0, stop) if keys is None else keys, mask)
             )
             start += n
-        return _Packed(torch.cat(positions), torch.cat(write_slots), spans, read_slots, masks)
+        return _Packed(torch.cat(positions), torch.cat(write_slots), sequences)
 
     def _embed(self, batch: list[StepInput], packed: _Packed) -> torch.Tensor:
+        """Token embeddings, image features in the image-token positions (found on the host:
+        no device sync per sequence)."""
         device = self.pool.kv.device
-        ids = torch.tensor([i for item in batch for i in item.ids], device=device)
-        hidden = self.lm.embed_tokens(ids)
-        is_image = ids == self.image_token_id
-        for item, (start, stop) in zip(batch, packed.spans, strict=True):
-            where = is_image[start:stop].nonzero().flatten() + start
-            features = item.image_features
-            rows = 0 if features is None else features.shape[0]
-            if rows != where.numel():
+        flat = [i for item in batch for i in item.ids]
+        where, features = [], []
+        for item, sequence in zip(batch, packed.sequences, strict=True):
+            start = sequence.span[0]
+            image_at = [
+                start + i for i, token in enumerate(item.ids) if token == self.image_token_id
+            ]
+            rows = 0 if item.image_features is None else item.image_features.shape[0]
+            if rows != len(image_at):
                 raise ValueError(
-                    f"{where.numel()} image tokens in the new ids but {rows} image feature rows"
+                    f"{len(image_at)} image tokens in the new ids but {rows} image feature rows"
                 )
             if rows:
-                hidden[where] = features.to(hidden.device, hidden.dtype)
+                where.extend(image_at)
+                features.append(item.image_features)
+        hidden = self.lm.embed_tokens(torch.tensor(flat, device=device))
+        if where:
+            rows = torch.cat(features).to(device, hidden.dtype)
+            hidden[torch.tensor(where, device=device)] = rows
         return hidden
 
     def _attention(self, index: int, layer, x: torch.Tensor, rotary, packed: _Packed):
@@ -178,17 +191,20 @@ class Runner:
         keys.index_copy_(1, packed.write_slots, k.transpose(0, 1))
         values.index_copy_(1, packed.write_slots, v.transpose(0, 1))
         out = torch.empty_like(q)
-        gqa = self.heads != self.kv_heads
-        for (start, stop), slots, mask in zip(
-            packed.spans, packed.read_slots, packed.masks, strict=True
-        ):
+        for sequence in packed.sequences:
+            start, stop = sequence.span
+            if isinstance(sequence.keys, slice):  # adjacent blocks: read in place
+                seq_keys, seq_values = keys[:, sequence.keys], values[:, sequence.keys]
+            else:
+                seq_keys = keys.index_select(1, sequence.keys)
+                seq_values = values.index_select(1, sequence.keys)
             out[start:stop] = F.scaled_dot_product_attention(
                 q[start:stop].transpose(0, 1),
-                keys.index_select(1, slots),
-                values.index_select(1, slots),
-                attn_mask=mask,
+                seq_keys,
+                seq_values,
+                attn_mask=sequence.mask,
                 scale=attn.scaling,
-                enable_gqa=gqa,
+                enable_gqa=self.heads != self.kv_heads,
             ).transpose(0, 1)
         return attn.o_proj(out.view(tokens, -1))
 

@@ -123,7 +123,9 @@ def test_random_reserve_crop_free_never_shares_or_loses_a_block():
             kv.free()
         held = [block for s in sessions for block in s.blocks]
         assert len(held) == len(set(held)), "a block is in two tables"
-        assert sorted(held + pool._free) == list(range(40)), "a block was lost or duplicated"
+        assert sorted(held + [i for i, free in enumerate(pool._free_map) if free]) == list(
+            range(40)
+        ), "a block was lost or duplicated"
         assert sum(s.nbytes for s in sessions) == (40 - pool.free_blocks) * TINY_BLOCK_BYTES
 
 
@@ -148,3 +150,37 @@ def test_slots_follow_the_block_table():
     assert kv.slots(2, 9).tolist() == expected
     with pytest.raises(ValueError, match="outside"):
         kv.slots(0, 13)
+
+
+def test_a_session_grows_into_adjacent_blocks_when_it_can():
+    pool = tiny_pool(10)
+    first, second = pool.new_kv(), pool.new_kv()
+    first.reserve(4)
+    second.reserve(8)
+    first.reserve(4 * 3)  # the block after first's is taken: first fit of a 2-block run
+    assert first.blocks == [0, 3, 4] and second.blocks == [1, 2]
+    first.length = 12
+    assert first.contiguous_slots(4) == slice(0, 4)
+    assert first.contiguous_slots(5) is None  # blocks 0 and 3 are not adjacent
+    second.reserve(4 * 3)  # block 3 is first's, so the lowest free one
+    assert second.blocks == [1, 2, 5]
+    first.crop(0)
+    third = pool.new_kv()
+    third.reserve(4 * 3)
+    assert third.blocks == [6, 7, 8]  # the first free run of 3
+    assert third.contiguous_slots(10) == slice(24, 34)
+
+
+def test_without_a_free_run_a_session_takes_the_lowest_free_blocks():
+    pool = tiny_pool(6)
+    a, b = pool.new_kv(), pool.new_kv()
+    for tokens in (4, 8, 12):
+        a.reserve(tokens)
+        b.reserve(tokens)
+    assert a.blocks == [0, 2, 4] and b.blocks == [1, 3, 5]
+    a.free()
+    c = pool.new_kv()
+    c.reserve(4 * 2)
+    assert c.blocks == [0, 2]
+    c.length = 8
+    assert c.contiguous_slots(8) is None

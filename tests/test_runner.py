@@ -161,16 +161,29 @@ def red_square() -> Image.Image:
 
 
 # -- equal to the model's forward ----------------------------------------------------------
+def fragment(pool: KVPool) -> None:
+    """Leave only every other block free: no two blocks a session takes are adjacent, so
+    the runner must gather its KV instead of reading it in place."""
+    kept, dropped = pool.new_kv(), pool.new_kv()
+    for turn in range(pool.total_blocks):
+        (dropped if turn % 2 else kept).reserve((turn // 2 + 1) * pool.block_tokens)
+    dropped.free()
+
+
+@pytest.mark.parametrize("blocks", ["adjacent", "fragmented"])
 @pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
-def test_logits_equal_hf_forward_through_prefills_and_decode(subject, with_image):
+def test_logits_equal_hf_forward_through_prefills_and_decode(subject, with_image, blocks):
     image = red_square() if with_image else None
     chunks = subject.chunks(image, [QUESTIONS[0], QUESTIONS[2]])
     expected = hf_record(subject.model, chunks, decode_steps=20)
     got: list[torch.Tensor] = []
     runner = Runner(subject.model, subject.pool())
+    if blocks == "fragmented":
+        fragment(runner.pool)
+    free = runner.pool.free_blocks
     drive(runner, [sequence(runner.pool, chunks, 20, got)], [0])
     assert_same_steps(got, expected)
-    assert runner.pool.free_blocks == runner.pool.total_blocks
+    assert runner.pool.free_blocks == free
 
 
 ROPES = {
@@ -193,7 +206,7 @@ def test_scaled_rope_types_equal_hf_forward(rope):
 
 
 # -- batched equals alone ------------------------------------------------------------------
-def test_eight_sequences_stepped_together_equal_each_alone(demo):
+def test_eight_sequences_stepped_together_equal_each_alone(subject):
     """Different images, text-only sessions, lengths and answer lengths; staggered starts mix
     prefills of some sequences with decode steps of others in one step."""
     samples = held_out_samples(6, seed=31_000)
@@ -202,13 +215,13 @@ def test_eight_sequences_stepped_together_equal_each_alone(demo):
         [QUESTIONS[i % len(QUESTIONS)], QUESTIONS[(i + 2) % len(QUESTIONS)]] for i in range(8)
     ]
     chunks = [
-        demo.chunks(image, qs[: 1 + i % 2])
+        subject.chunks(image, qs[: 1 + i % 2])
         for i, (image, qs) in enumerate(zip(images, questions, strict=True))
     ]
     decode_steps = [6, 12, 8, 9, 7, 15, 10, 11]
     starts = [0, 0, 1, 1, 2, 2, 3, 3]
     alone: list[list[torch.Tensor]] = []
-    runner = Runner(demo.model, demo.pool())
+    runner = Runner(subject.model, subject.pool())
     for seq_chunks, steps in zip(chunks, decode_steps, strict=True):
         alone.append([])
         drive(runner, [sequence(runner.pool, seq_chunks, steps, alone[-1])], [0])
