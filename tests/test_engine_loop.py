@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from llava.engine import Engine
 from llava.session import Tier
 from llava.store import SessionStore
 from llava.synthetic import held_out_samples
+from tests.test_reaper import wait_until
 
 QUESTIONS = [
     "What color is the shape?",
@@ -26,14 +26,6 @@ QUESTIONS = [
 
 def new_engine(demo_model, **options) -> Engine:
     return Engine(demo_model, SessionStore(budget_bytes=64 << 20), EngineConfig("-"), **options)
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.002)
 
 
 def record_batch_sizes(engine: Engine) -> list[int]:
