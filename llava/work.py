@@ -4,8 +4,8 @@ Each request takes what it needs when the loop admits it (the session, KV blocks
 ids to the steps the scheduler plans, and ends by committing (``finish``) or by undoing
 (``fail``); either way its caller's future is resolved exactly once. A turn commits exactly
 as a turn alone did: canonical prompt, cache reuse by common prefix, no end token in the
-history, and a failure demotes its session but leaves its history (docs/design.md §Canonical
-prompt; docs/design-sched.md §Engine loop).
+history, and a failure demotes its session but leaves its history
+(docs/design.md §Canonical prompt; docs/design-sched.md §Engine loop).
 """
 
 from __future__ import annotations
