@@ -97,3 +97,25 @@ def test_busy_only_when_demoting_every_idle_session_would_not_help(demo_model):
     assert after.sessions_by_tier == before.sessions_by_tier
     assert engine.ask(second, "What color is the shape?", SHORT).stop_reason == "eos"
     assert first in engine.store
+
+
+def test_a_turn_short_of_memory_waits_for_a_running_turn_instead_of_busy(demo_model):
+    engine = engine_with_blocks(demo_model, blocks=20)
+    first, second = (engine.open(s.image).session_id for s in held_out_samples(2, seed=74_000))
+    long = {"max_new_tokens": 100, "min_new_tokens": 100}
+    streaming = threading.Event()
+    answers = {}
+
+    def first_turn():
+        question = "What is in the picture?"
+        answers["first"] = engine.ask(first, question, long, lambda *_: streaming.set())
+
+    thread = threading.Thread(target=first_turn)
+    thread.start()
+    assert streaming.wait(timeout=60)
+    # both cannot hold 100 new tokens at once: this one waits, then demotes the first (idle)
+    answers["second"] = engine.ask(second, "What is in the picture?", long)
+    thread.join(timeout=60)
+    assert [len(answers[k].token_ids) for k in ("first", "second")] == [100, 100]
+    assert engine.store._sessions[first].tier is Tier.FEATURES
+    assert engine.stats().counters.demoted == 1
