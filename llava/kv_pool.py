@@ -33,8 +33,9 @@ class KVPool:
     """The pool tensor is [layers, 2 (K, V), kv_heads, total_blocks * block_tokens, head_dim].
 
     Token slot ``block * block_tokens + offset`` of one layer's K (or V) is a [kv_heads, head_dim]
-    row; heads come first so gathering a session's slots yields SDPA's [heads, tokens, dim]
-    layout with a single copy.
+    row; heads come first so a session's K or V is already SDPA's [heads, tokens, dim] layout:
+    a slice when its blocks are adjacent, one gather otherwise. Not thread-safe: the engine
+    loop owns it.
     """
 
     def __init__(self, text_config, budget_bytes: int, device, dtype, block_tokens: int = 16):
@@ -74,31 +75,52 @@ class KVPool:
         wanted = -(-(kv.length + extra_tokens) // self.block_tokens)
         return max(0, wanted - len(kv.blocks))
 
-    def _take(self, n: int, after: int | None) -> list[int]:
-        """``n`` free blocks, contiguous where possible: right after block ``after`` (the
-        session's last), else the first free run of ``n``, else the lowest free blocks.
-        Contiguous blocks let the runner read a session's KV in place, without a gather."""
+    def _grow(self, kv: SessionKV, n: int) -> list[int]:
+        """``kv``'s block table with ``n`` more blocks, kept adjacent where the free map allows
+        (the runner reads adjacent KV in place, scattered KV by a gather on every step):
+
+        1. the blocks right after its last one;
+        2. else, if a free run fits all its blocks and the new ones, its KV moves there (one
+           copy of its written tokens now instead of a gather at every step from here on);
+        3. else the first free run of ``n``, else the lowest free blocks.
+        """
         if n > self._free_count:
             raise KVPoolFull(f"need {n} KV blocks, {self._free_count} free of {self.total_blocks}")
+        held = kv.blocks
         if n == 0:
-            return []
-        run = b"\x01" * n
-        start = -1
-        if after is not None and self._free_map[after + 1 : after + 1 + n] == run:
-            start = after + 1
-        if start < 0:
-            start = self._free_map.find(run)
+            return held
+        free_map = self._free_map
+        if held and free_map[held[-1] + 1 : held[-1] + 1 + n] == b"\x01" * n:
+            return held + self._mark_taken(range(held[-1] + 1, held[-1] + 1 + n))
+        start = free_map.find(b"\x01" * (len(held) + n)) if held else -1
         if start >= 0:
-            taken = list(range(start, start + n))
-        else:
-            taken, at = [], -1
-            while len(taken) < n:
-                at = self._free_map.find(1, at + 1)
-                taken.append(at)
-        for block in taken:
+            moved = self._mark_taken(range(start, start + len(held) + n))
+            self._copy(kv, moved)
+            self._give_back(held)
+            return moved
+        start = free_map.find(b"\x01" * n)
+        if start >= 0:
+            return held + self._mark_taken(range(start, start + n))
+        lowest, at = [], -1
+        while len(lowest) < n:
+            at = free_map.find(1, at + 1)
+            lowest.append(at)
+        return held + self._mark_taken(lowest)
+
+    def _mark_taken(self, blocks) -> list[int]:
+        for block in blocks:
             self._free_map[block] = 0
-        self._free_count -= n
-        return taken
+        self._free_count -= len(blocks)
+        return list(blocks)
+
+    def _copy(self, kv: SessionKV, blocks: list[int]) -> None:
+        """Copy ``kv``'s written tokens, every layer, into the same positions of ``blocks``."""
+        if kv.length:
+            bt = self.block_tokens
+            target = blocks[0] * bt  # blocks is one adjacent run
+            slots = kv.slots(0, kv.length)
+            with torch.inference_mode():
+                self.kv[:, :, :, target : target + kv.length] = self.kv.index_select(3, slots)
 
     def _give_back(self, blocks: list[int]) -> None:
         for block in blocks:
@@ -127,8 +149,7 @@ class SessionKV:
         """Hold blocks for ``length + extra_tokens`` tokens; raises KVPoolFull taking none."""
         if extra_tokens < 0:
             raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
-        last = self.blocks[-1] if self.blocks else None
-        self.blocks.extend(self.pool._take(self.pool.blocks_needed(self, extra_tokens), last))
+        self.blocks = self.pool._grow(self, self.pool.blocks_needed(self, extra_tokens))
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens; whole blocks past them go back to the pool."""

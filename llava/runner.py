@@ -2,9 +2,10 @@
 
 The tokens of every sequence in the batch (a prefill tail or one decoded id each) are packed
 into one [tokens, hidden] matrix with no padding, so each layer's projections and MLP run as
-one batched matmul; only attention runs per sequence, over that sequence's own blocks. The
-layers' own modules do the maths, so the weights, norms and rotary embedding are the
-checkpoint's (docs/design-kvrunner.md §Step runner).
+one batched matmul; only attention runs per sequence, over that sequence's own blocks (read
+in place when they are adjacent, gathered otherwise). The layers' own modules do the maths,
+so the weights, norms and rotary embedding are the checkpoint's
+(docs/design-kvrunner.md §Step runner).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class StepInput:
 @dataclass(frozen=True)
 class _Sequence:
     span: tuple[int, int]  # its [start, stop) in the packed tokens
-    keys: slice | torch.Tensor  # its pool slots 0..new length: a slice reads them in place
+    slots: slice | torch.Tensor  # its K/V pool slots 0..new length; a slice: read in place
     mask: torch.Tensor | None  # [new, past + new]: new token i sees the past and new 0..i
 
 
@@ -145,12 +146,12 @@ class Runner:
             stop = kv.length + n
             positions.append(torch.arange(kv.length, stop, device=device))
             write_slots.append(kv.slots(kv.length, stop))
-            keys = kv.contiguous_slots(stop)
+            slots = kv.contiguous_slots(stop)
             mask = None
             if n > 1:
                 mask = torch.ones(n, stop, dtype=torch.bool, device=device).tril(kv.length)
             sequences.append(
-                _Sequence((start, start + n), kv.slots(0, stop) if keys is None else keys, mask)
+                _Sequence((start, start + n), kv.slots(0, stop) if slots is None else slots, mask)
             )
             start += n
         return _Packed(torch.cat(positions), torch.cat(write_slots), sequences)
@@ -193,11 +194,11 @@ class Runner:
         out = torch.empty_like(q)
         for sequence in packed.sequences:
             start, stop = sequence.span
-            if isinstance(sequence.keys, slice):  # adjacent blocks: read in place
-                seq_keys, seq_values = keys[:, sequence.keys], values[:, sequence.keys]
+            if isinstance(sequence.slots, slice):  # adjacent blocks: no copy
+                seq_keys, seq_values = keys[:, sequence.slots], values[:, sequence.slots]
             else:
-                seq_keys = keys.index_select(1, sequence.keys)
-                seq_values = values.index_select(1, sequence.keys)
+                seq_keys = keys.index_select(1, sequence.slots)
+                seq_values = values.index_select(1, sequence.slots)
             out[start:stop] = F.scaled_dot_product_attention(
                 q[start:stop].transpose(0, 1),
                 seq_keys,

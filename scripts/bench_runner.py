@@ -45,17 +45,20 @@ def context_ids(loaded, context: int) -> tuple[list[int], torch.Tensor]:
     return opening + words, features
 
 
-def filled_sessions(runner: Runner, ids, features, count: int, scattered: bool) -> list[SessionKV]:
-    """``count`` sessions holding the same context: prefilled once, then blocks copied.
+def scatter_free_blocks(pool: KVPool) -> None:
+    """Hold every free block, then give back every other one: sessions made next get no two
+    adjacent blocks, so the runner gathers their KV at every step (its worst case)."""
+    holders = [pool.new_kv() for _ in range(pool.free_blocks)]
+    for holder in holders:
+        holder.reserve(pool.block_tokens)
+    for holder in holders[1::2]:
+        holder.free()
 
-    ``scattered``: the sessions take their blocks in turn, one at a time, so no session's
-    blocks are adjacent and every step gathers their KV (the worst case for the runner).
-    """
+
+def filled_sessions(runner: Runner, ids, features, count: int) -> list[SessionKV]:
+    """``count`` sessions holding the same context: prefilled once, then blocks copied."""
     pool = runner.pool
     sessions = [pool.new_kv() for _ in range(count)]
-    for tokens in range(pool.block_tokens, len(ids) if scattered else 0, pool.block_tokens):
-        for kv in sessions:
-            kv.reserve(tokens)
     for kv in sessions:
         kv.reserve(len(ids))
     first = sessions[0]
@@ -114,14 +117,17 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     ids, features = context_ids(loaded, args.context)
     text = loaded.model.config.text_config
-    pool_tokens = 2 * sum(batches) * (args.context + args.steps + 16)
+    # adjacent sessions, then scattered ones in every other block of what is left: 3x
+    pool_tokens = 3 * sum(batches) * (args.context + args.steps + 16)
     budget = pool_tokens * kv_bytes_per_token(text, loaded.dtype)
     runner = Runner(loaded.model, KVPool(text, budget, loaded.device, loaded.dtype))
     # Rounds interleave every path, so load from other processes hits them alike.
     paths = {("HF DynamicCache", 1): hf_decode(loaded, ids, features, args.steps)}
     for layout in ("adjacent", "scattered"):
+        if layout == "scattered":
+            scatter_free_blocks(runner.pool)
         for batch in batches:
-            sessions = filled_sessions(runner, ids, features, batch, layout == "scattered")
+            sessions = filled_sessions(runner, ids, features, batch)
             paths[(f"runner {layout}", batch)] = runner_decode(runner, sessions, args.steps)
     step_s = {key: [] for key in paths}
     for _ in range(args.rounds):

@@ -106,27 +106,37 @@ def test_free_gives_everything_back_and_is_idempotent():
     assert (kv.length, kv.nbytes, pool.free_blocks) == (0, 0, 6)
 
 
-def test_random_reserve_crop_free_never_shares_or_loses_a_block():
+def test_random_reserve_crop_free_never_shares_loses_or_corrupts_a_block():
+    """Each session writes its own number into the tokens it adds; through moves, crops and
+    frees every session still reads only its own number."""
     pool = tiny_pool(40)
     sessions = [pool.new_kv() for _ in range(6)]
     rng = random.Random(7)
+    moves = 0
     for _ in range(2000):
-        kv = rng.choice(sessions)
+        index = rng.randrange(len(sessions))
+        kv = sessions[index]
         action = rng.random()
         if action < 0.5:
+            before = list(kv.blocks)
             with contextlib.suppress(KVPoolFull):
                 kv.reserve(rng.randint(0, 12))
-            kv.length = rng.randint(kv.length, kv.capacity)  # the runner writes up to capacity
+            moves += bool(before) and kv.blocks[: len(before)] != before
+            written = rng.randint(kv.length, kv.capacity)  # the runner writes up to capacity
+            pool.kv[..., kv.slots(kv.length, written), :] = float(index + 1)
+            kv.length = written
         elif action < 0.85:
             kv.crop(rng.randint(0, kv.length))
         else:
             kv.free()
         held = [block for s in sessions for block in s.blocks]
         assert len(held) == len(set(held)), "a block is in two tables"
-        assert sorted(held + [i for i, free in enumerate(pool._free_map) if free]) == list(
-            range(40)
-        ), "a block was lost or duplicated"
+        free = [i for i, is_free in enumerate(pool._free_map) if is_free]
+        assert sorted(held + free) == list(range(40)), "a block was lost or duplicated"
         assert sum(s.nbytes for s in sessions) == (40 - pool.free_blocks) * TINY_BLOCK_BYTES
+        for number, s in enumerate(sessions, 1):
+            assert bool((pool.kv[..., s.slots(0, s.length), :] == number).all()), "corrupted"
+    assert moves > 50  # the moving path ran
 
 
 def test_writing_one_sessions_slots_leaves_the_others_kv_alone():
@@ -152,35 +162,36 @@ def test_slots_follow_the_block_table():
         kv.slots(0, 13)
 
 
-def test_a_session_grows_into_adjacent_blocks_when_it_can():
+def test_a_blocked_session_moves_its_kv_to_a_run_that_fits_it_whole():
     pool = tiny_pool(10)
     first, second = pool.new_kv(), pool.new_kv()
     first.reserve(4)
-    second.reserve(8)
-    first.reserve(4 * 3)  # the block after first's is taken: first fit of a 2-block run
-    assert first.blocks == [0, 3, 4] and second.blocks == [1, 2]
-    first.length = 12
-    assert first.contiguous_slots(4) == slice(0, 4)
-    assert first.contiguous_slots(5) is None  # blocks 0 and 3 are not adjacent
-    second.reserve(4 * 3)  # block 3 is first's, so the lowest free one
-    assert second.blocks == [1, 2, 5]
-    first.crop(0)
-    third = pool.new_kv()
-    third.reserve(4 * 3)
-    assert third.blocks == [6, 7, 8]  # the first free run of 3
-    assert third.contiguous_slots(10) == slice(24, 34)
+    first.reserve(8)  # grows into the next block
+    second.reserve(4)
+    assert first.blocks == [0, 1] and second.blocks == [2]
+    pool.kv.zero_()
+    first.length = 6
+    written = torch.arange(1.0, 7.0).view(6, 1)
+    pool.kv[..., first.slots(0, 6), :] = written
+    first.reserve(6)  # needs a third block; block 2 is second's: all move to blocks 3..5
+    assert first.blocks == [3, 4, 5] and pool.free_blocks == 6
+    assert first.contiguous_slots(6) == slice(12, 18)
+    assert torch.equal(pool.kv[..., 12:18, :], written.expand(*pool.kv.shape[:3], 6, 16))
+    assert torch.equal(pool.kv[..., second.slots(0, 4), :], torch.zeros_like(pool.kv[..., :4, :]))
 
 
-def test_without_a_free_run_a_session_takes_the_lowest_free_blocks():
-    pool = tiny_pool(6)
-    a, b = pool.new_kv(), pool.new_kv()
-    for tokens in (4, 8, 12):
-        a.reserve(tokens)
-        b.reserve(tokens)
-    assert a.blocks == [0, 2, 4] and b.blocks == [1, 3, 5]
-    a.free()
-    c = pool.new_kv()
-    c.reserve(4 * 2)
-    assert c.blocks == [0, 2]
-    c.length = 8
-    assert c.contiguous_slots(8) is None
+def test_without_room_to_move_a_session_takes_a_free_run_then_the_lowest_blocks():
+    pool = tiny_pool(5)
+    a, b, c, d = (pool.new_kv() for _ in range(4))
+    for kv in (a, b, c, d):
+        kv.reserve(4)
+    a.reserve(8)  # no free run of 2 to move into: the one free block, 4
+    assert a.blocks == [0, 4]
+    a.length = 5
+    assert a.contiguous_slots(4) == slice(0, 4)
+    assert a.contiguous_slots(5) is None  # blocks 0 and 4 are not adjacent
+    b.free()
+    d.free()
+    e = pool.new_kv()
+    e.reserve(8)  # free: 1 and 3, no run of 2
+    assert e.blocks == [1, 3]
