@@ -199,7 +199,8 @@ class SessionStore:
     def reserve(self, kv: SessionKV, extra_tokens: int) -> None:
         """Take pool blocks for ``extra_tokens`` more ids in ``kv``. When the pool is short,
         demote least-recently-used idle sessions until it fits; raise Busy (demoting nobody)
-        if even demoting every idle session would not make room."""
+        if even demoting every idle session would not make room now, NoCapacity if the whole
+        pool could not hold it."""
         with self._lock:
             try:
                 kv.reserve(extra_tokens)
@@ -208,6 +209,12 @@ class SessionStore:
                 pass
             pool = kv.pool
             needed = pool.blocks_needed(kv, extra_tokens)
+            if needed + kv.nbytes // pool.bytes_per_block > pool.total_blocks:
+                raise NoCapacity(
+                    f"this turn needs {kv.length + extra_tokens} tokens of KV, more than the "
+                    f"server's whole KV memory holds ({pool.total_blocks * pool.block_tokens}); "
+                    "lower max_new_tokens or open a new session"
+                )
             idle = [s for s in self._sessions.values() if s.kv is not None and self._idle(s)]
             try:  # their locks are held until the end: none starts a turn meanwhile
                 freeable = sum(s.kv.nbytes for s in idle) // pool.bytes_per_block

@@ -10,7 +10,7 @@ import pytest
 
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.errors import Busy
+from llava.errors import Busy, NoCapacity
 from llava.session import Tier
 from llava.store import SessionStore
 from llava.synthetic import held_out_samples
@@ -86,17 +86,32 @@ def test_pressure_demotes_the_least_recently_used_idle_session_first(demo_model)
 
 def test_busy_only_when_demoting_every_idle_session_would_not_help(demo_model):
     engine = engine_with_blocks(demo_model, blocks=20)
-    first, second = (engine.open(s.image).session_id for s in held_out_samples(2, seed=73_000))
+    samples = held_out_samples(3, seed=73_000)
+    held, idle, asking = (engine.open(s.image).session_id for s in samples)
+    pool, opening = engine.pool, engine.store._sessions[asking].kv.length
+    # 17 of the 20 blocks (a short question adds 1..16 tokens to the opening): more than the
+    # free blocks and the idle session's together, less than all of them with `held`'s too
+    turn = {"max_new_tokens": 17 * pool.block_tokens - opening - 8}
     before = engine.stats()
-    too_long = {"max_new_tokens": 20 * engine.pool.block_tokens}
-    with pytest.raises(Busy) as err:
-        engine.ask(second, "What color is the shape?", too_long)
+    with engine.store.use(held), pytest.raises(Busy) as err:  # a turn elsewhere holds `held`
+        engine.ask(asking, "What color is the shape?", turn)
     assert err.value.code == "KV_MEMORY_FULL" and err.value.retry_after_s > 0
     after = engine.stats()
     assert after.counters.demoted == before.counters.demoted  # nobody lost anything for it
     assert after.sessions_by_tier == before.sessions_by_tier
-    assert engine.ask(second, "What color is the shape?", SHORT).stop_reason == "eos"
-    assert first in engine.store
+    answer = engine.ask(asking, "What color is the shape?", turn)  # now `held` can be demoted
+    assert answer.stop_reason in ("eos", "max_new_tokens") and idle in engine.store
+
+
+def test_a_turn_larger_than_the_whole_pool_is_refused_for_good(demo_model):
+    engine = engine_with_blocks(demo_model, blocks=20)
+    session_id = engine.open(held_out_samples(1, seed=73_500)[0].image).session_id
+    too_long = {"max_new_tokens": 20 * engine.pool.block_tokens}
+    with pytest.raises(NoCapacity) as err:
+        engine.ask(session_id, "What color is the shape?", too_long)
+    assert not isinstance(err.value, Busy) and "lower max_new_tokens" in err.value.message
+    assert engine.stats().counters.demoted == 0
+    assert engine.ask(session_id, "What color is the shape?", SHORT).stop_reason == "eos"
 
 
 def test_a_turn_short_of_memory_waits_for_a_running_turn_instead_of_busy(demo_model):
