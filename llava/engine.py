@@ -142,7 +142,7 @@ class Engine:
         return self.store.stats()
 
     def stop(self) -> None:
-        """End the loop thread (requests still queued are not answered); for a clean exit."""
+        """End the loop thread (what it still runs or holds fails); for a clean exit."""
         self.loop.stop(wait=True)
 
     # -- helpers ---------------------------------------------------------------------------

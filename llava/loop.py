@@ -96,6 +96,9 @@ class EngineLoop:
                 logger.exception("engine loop iteration failed; failing its requests")
                 for request in list(self.scheduler.running):
                     self._fail(request, RuntimeError("internal error in the engine loop"))
+        stopped = RuntimeError("the engine was stopped")
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._fail(request, stopped)
 
     def _iteration(self) -> None:
         self._receive(block=self.scheduler.idle)
@@ -135,11 +138,9 @@ class EngineLoop:
                 # demotable): wait for them, unless nothing runs or this one's time is up.
                 if self.scheduler.running and self._clock() < request.deadline:
                     continue
-                self.scheduler.remove(request)
-                request.fail(busy)
+                self._fail(request, busy)
             except BaseException as error:
-                self.scheduler.remove(request)
-                request.fail(error)
+                self._fail(request, error)
             else:
                 self.scheduler.start(request)
                 if not request.pending:  # nothing to feed (an opening without ids)
@@ -193,12 +194,22 @@ class EngineLoop:
         try:
             request.finish(reason)
         except Exception as error:
-            request.fail(error)
+            self._settle(request, error)
 
     def _fail(self, request: Request, error: BaseException) -> None:
         if request in self.scheduler.running or request in self.scheduler.waiting:
             self.scheduler.remove(request)
+            self._settle(request, error)
+
+    @staticmethod
+    def _settle(request: Request, error: BaseException) -> None:
+        """Fail ``request``; whatever its undo raises, its caller still gets an answer."""
+        try:
             request.fail(error)
+        except Exception:
+            logger.exception("undoing a failed request failed")
+        if not request.future.done():
+            request.future.set_exception(error)
 
 
 def _resolve(future: Future, fn: Callable[[], Any]) -> None:

@@ -172,3 +172,42 @@ def test_a_failing_turn_fails_alone_and_keeps_its_history(demo_model):
     session = engine.store._sessions[failing]
     assert session.tier is Tier.FEATURES and session.token_ids == history
     assert engine.ask(failing, QUESTIONS[1]).text == a.shape
+
+
+def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
+    a, b = held_out_samples(2, seed=61_000)
+    long = {"max_new_tokens": 30, "min_new_tokens": 30}
+    alone = new_engine(demo_model)
+    expected = alone.ask(alone.open(b.image).session_id, QUESTIONS[3], long).token_ids
+    engine = new_engine(demo_model)
+    failing, healthy = engine.open(a.image).session_id, engine.open(b.image).session_id
+    history = list(engine.store._sessions[failing].token_ids)
+    poisoned = engine.store._sessions[failing].kv
+    step = engine.runner.step
+    sizes = []
+
+    def step_failing_for_one(batch):
+        sizes.append(len(batch))
+        if any(item.kv is poisoned for item in batch):
+            raise RuntimeError("this sequence breaks the step")
+        return step(batch)
+
+    engine.runner.step = step_failing_for_one
+    streaming = threading.Event()
+    outcome = {}
+
+    def healthy_turn():
+        outcome["b"] = engine.ask(healthy, QUESTIONS[3], long, lambda *_: streaming.set())
+
+    thread = threading.Thread(target=healthy_turn)
+    thread.start()
+    assert streaming.wait(timeout=60)
+    with pytest.raises(RuntimeError, match="breaks the step"):
+        engine.ask(failing, QUESTIONS[0])
+    thread.join(timeout=60)
+    assert 2 in sizes  # the two really shared a step, and the healthy one went on alone
+    assert outcome["b"].token_ids == expected
+    session = engine.store._sessions[failing]
+    assert session.tier is Tier.FEATURES and session.token_ids == history
+    engine.runner.step = step
+    assert engine.ask(failing, QUESTIONS[0]).text == a.color
