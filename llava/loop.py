@@ -9,9 +9,11 @@ row. A request that fails fails alone: its future gets the exception, the others
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -69,12 +71,15 @@ class EngineLoop:
 
     def start(self) -> EngineLoop:
         self._thread.start()
+        # A daemon thread still inside torch when the interpreter tears down can abort the
+        # process ("terminate called without an active exception"): end it first.
+        atexit.register(_stop_at_exit, weakref.ref(self))
         return self
 
-    def stop(self, wait: bool = False) -> None:
+    def stop(self, wait: bool = False, timeout: float | None = None) -> None:
         self._inbox.put(None)
         if wait and threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout)
 
     def submit(self, request: Request) -> Any:
         """Queue ``request`` and wait for its result (raises what it failed with)."""
@@ -210,6 +215,12 @@ class EngineLoop:
             logger.exception("undoing a failed request failed")
         if not request.future.done():
             request.future.set_exception(error)
+
+
+def _stop_at_exit(loop_ref: weakref.ref) -> None:
+    loop = loop_ref()
+    if loop is not None:
+        loop.stop(wait=True, timeout=10)
 
 
 def _resolve(future: Future, fn: Callable[[], Any]) -> None:
