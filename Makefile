@@ -50,13 +50,15 @@ demo: demo-mar
 
 # Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn,
 # the handler's per-request cost against the number of idle sessions held, the local
-# endpoint's hop, then what the container's /ping front adds per turn.
+# endpoint's hop, what the container's /ping front adds per turn, then many sessions at once
+# (batched turns against one request at a time).
 bench: demo-mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
 	$(PY) scripts/bench_sessions.py
 	$(PY) scripts/bench_endpoint.py
 	$(PY) scripts/bench_front.py
+	$(PY) scripts/bench_concurrency.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup

@@ -54,6 +54,8 @@ class EngineConfig:
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
     max_question_chars: int = 8000
+    # Every turn ends by then (stop_reason "deadline"): below SageMaker's 60 s invocation limit.
+    turn_deadline_s: float = 50.0
     intake: dict[str, Any] = field(default_factory=dict)  # llava.intake.IntakePolicy keys
 
     def __post_init__(self):
@@ -122,6 +124,10 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "default_max_new_tokens": (_positive_int, "an integer > 0"),
     "max_new_tokens_limit": (_positive_int, "an integer > 0"),
     "max_question_chars": (_positive_int, "an integer > 0"),
+    "turn_deadline_s": (
+        lambda v: _number(v) and 0 < v < 60,
+        "a number of seconds > 0 and < 60 (SageMaker's invocation limit)",
+    ),
     "intake": (lambda v: isinstance(v, Mapping), "a JSON object of intake settings"),
 }
 

@@ -1,15 +1,12 @@
-"""Prefill and decode on top of a KV cache: the only place that runs the language model.
+"""Choosing one sequence's next id from its logits: the per-turn sampling state; and the
+model's own forward on a DynamicCache, the reference the step runner is tested against.
 
-A turn passes the conversation's token ids and how many of them the cache already holds;
-only the uncached tail is prefilled. Image features, when given, are scattered into the
-image-token positions of that tail (so the vision tower never runs here).
+Each turn in a batch has its own ``Chooser`` (its parameters, its seeded generator, its
+count of ids so far), so a batched step gives each sequence exactly what it would get alone:
+greedy is an argmax of its own row, sampling draws from its own generator.
 """
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -18,35 +15,58 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from llava.generation import GenerationParams
 
 
-@dataclass(frozen=True)
-class Decoded:
-    token_ids: tuple[int, ...]  # generated ids, ending with an eos id when the answer finished
-    finished: bool  # False: stopped by max_new_tokens
-    prefill_tokens: int
-    prefill_s: float  # time to first token
-    total_s: float
-
-
-def _image_inputs(features: torch.Tensor | None) -> dict:
-    if features is None:
-        return {}
-    return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=[features])}}
-
-
 @torch.inference_mode()
 def prefill(
     model, ids: list[int], cache: DynamicCache, image_features: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Run ``ids`` through the model on top of ``cache``; return the last position's logits."""
+    """Run ``ids`` through the model on top of ``cache``; return the last position's logits
+    (tests/test_runner.py checks llava.runner against this)."""
+    image = {}
+    if image_features is not None:
+        pooled = BaseModelOutputWithPooling(pooler_output=[image_features])
+        image = {"mm_encoder_outputs": {"image": pooled}}
     input_ids = torch.tensor([ids], device=model.device)
     out = model(
-        input_ids=input_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-        **_image_inputs(image_features),
+        input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **image
     )
     return out.logits[0, -1].float()
+
+
+class Chooser:
+    """Banned ids are never chosen (llava.logits_mask); end ids not before ``min_new_tokens``."""
+
+    def __init__(
+        self,
+        params: GenerationParams,
+        eos_token_ids: frozenset[int],
+        banned_ids: list[int],
+        device: torch.device,
+    ):
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self._eos = torch.tensor(sorted(eos_token_ids), device=device)
+        self._banned = torch.tensor(banned_ids, dtype=torch.long, device=device)
+        self._generator = None
+        if not params.greedy and params.seed is not None:
+            self._generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.generated: list[int] = []
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.generated) and self.generated[-1] in self.eos_token_ids
+
+    @property
+    def exhausted(self) -> bool:
+        return len(self.generated) >= self.params.max_new_tokens
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next id from this sequence's logits row (float32, [vocab])."""
+        logits = logits.index_fill(0, self._banned, float("-inf"))
+        if len(self.generated) < self.params.min_new_tokens:
+            logits = logits.index_fill(0, self._eos, float("-inf"))
+        token = _pick(logits, self.params, self._generator)
+        self.generated.append(token)
+        return token
 
 
 def _pick(logits: torch.Tensor, params: GenerationParams, generator) -> int:
@@ -64,55 +84,3 @@ def _pick(logits: torch.Tensor, params: GenerationParams, generator) -> int:
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-@torch.inference_mode()
-def decode(
-    model,
-    history: list[int],
-    cache: DynamicCache,
-    image_features: torch.Tensor | None,
-    params: GenerationParams,
-    eos_token_ids: frozenset[int],
-    on_token: Callable[[int], None] | None = None,
-    banned_ids: list[int] | None = None,
-    cancelled: Callable[[], bool] | None = None,
-) -> Decoded:
-    """Prefill ``history[cache length:]`` then decode up to ``params.max_new_tokens`` ids.
-
-    ``banned_ids`` are never generated (llava.logits_mask). Afterwards the cache holds every id
-    of ``history`` and every generated id but the last.
-    """
-    start = time.perf_counter()
-    tail = history[cache.get_seq_length() :]
-    generator = None
-    if not params.greedy and params.seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(params.seed)
-    # Features go only with a tail that still holds the image positions (a cold re-prefill).
-    if model.config.image_token_id not in tail:
-        image_features = None
-    logits = prefill(model, tail, cache, image_features)
-    prefill_s = time.perf_counter() - start
-    generated: list[int] = []
-    eos = torch.tensor(sorted(eos_token_ids), device=logits.device)
-    banned = torch.tensor(banned_ids or [], dtype=torch.long, device=logits.device)
-    while True:
-        logits = logits.index_fill(0, banned, float("-inf"))
-        if len(generated) < params.min_new_tokens:
-            logits = logits.index_fill(0, eos, float("-inf"))
-        token = _pick(logits, params, generator)
-        generated.append(token)
-        if on_token is not None:
-            on_token(token)
-        if token in eos_token_ids or len(generated) == params.max_new_tokens:
-            break
-        if cancelled is not None and cancelled():  # ends like a max_new_tokens cut
-            break
-        logits = prefill(model, [token], cache)
-    return Decoded(
-        token_ids=tuple(generated),
-        finished=generated[-1] in eos_token_ids,
-        prefill_tokens=len(tail),
-        prefill_s=prefill_s,
-        total_s=time.perf_counter() - start,
-    )

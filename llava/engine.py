@@ -1,85 +1,99 @@
 """The engine: open a session on an image, ask questions on top of its KV cache, close it.
 
 ``Engine`` is the one object a transport (the TorchServe handler, a notebook, a test) uses.
-It owns the loaded model and the SessionStore; it validates its inputs and raises only
-``llava.errors`` types, so a transport can map every failure to a status.
+Its methods are thread-safe and blocking: many threads may call them at once. Inputs are
+checked and images preprocessed in the caller's thread; the model work is queued to one
+engine-loop thread (llava.loop) that batches the turns of different sessions into each step.
+It raises only ``llava.errors`` types, so a transport can map every failure to a status.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
 
 import torch
 from PIL import Image
-from transformers import DynamicCache
 
 from llava.config import EngineConfig
-from llava.decoding import Decoded, decode, prefill
-from llava.detokenizer import Detokenizer
 from llava.errors import InvalidRequest
 from llava.generation import GenerationParams
+from llava.kv_pool import KVPool
 from llava.logits_mask import banned_token_ids
+from llava.loop import EngineLoop
 from llava.model import LoadedModel, load_model
-from llava.prompt import assistant_message, common_prefix_length, user_message
-from llava.session import Session, Tier
-from llava.store import SessionStore, StoreStats, new_session_id
+from llava.runner import Runner, StepInput
+from llava.scheduler import Scheduler
+from llava.store import SessionStore, StoreStats
+from llava.work import Answer, Opened, OpenRequest, TurnRequest
 
-
-@dataclass(frozen=True)
-class Opened:
-    session_id: str
-    expires_at: datetime
-    prefill_tokens: int
-    image_tokens: int
-
-
-@dataclass(frozen=True)
-class Answer:
-    session_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    finished: bool  # False: cut off by max_new_tokens
-    new_tokens: int  # prefilled this turn
-    cached_tokens: int  # reused from the session's KV cache
-    tier: Tier  # the session's tier when the turn started
-    ttft_s: float
-    total_s: float
-    expires_at: datetime
+__all__ = ["Answer", "Engine", "Opened"]
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, store: SessionStore, config: EngineConfig):
+    """``max_batch``: sequences per step (1 = one request at a time). The KV pool holds
+    ``kv_pool_bytes`` (default: the store's budget), allocated once here."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        store: SessionStore,
+        config: EngineConfig,
+        *,
+        max_batch: int = 32,
+        prefill_chunk_tokens: int = 512,
+        mixed_steps: bool = True,
+        kv_pool_bytes: int | None = None,
+    ):
         self.loaded = loaded
         self.store = store
         self.config = config
+        self.device = loaded.device
+        self.image_token_id = loaded.model.config.image_token_id
         self._banned_ids = banned_token_ids(
             loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
         )
+        self.pool = KVPool(
+            loaded.model.config.text_config,
+            kv_pool_bytes or store.budget_bytes,
+            loaded.device,
+            loaded.dtype,
+        )
+        self.runner = Runner(loaded.model, self.pool)
+        scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps)
+        self.loop = EngineLoop(self.runner, scheduler, time.monotonic).start()
+        weakref.finalize(self, self.loop.stop)  # the loop thread ends with its engine
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
+    def from_config(cls, config: EngineConfig, **options) -> Engine:
         loaded = load_model(
             config.model_dir, config.device, config.dtype, config.attn_implementation
         )
         store = SessionStore(
             budget_bytes=_session_budget(config, loaded), ttl_s=config.session_ttl_s
         )
-        return cls(loaded, store, config)
+        return cls(loaded, store, config, **options)
 
     def warm_up(self) -> float:
         """Run the vision tower, a prefill and a decode step once, outside any session, so the
         first caller does not pay for lazy initialization. Returns the seconds it took."""
         start = time.perf_counter()
         size = self.loaded.processor.image_processor.crop_size
-        blank = Image.new("RGB", (size["width"], size["height"]))
-        ids, features = self._encode_opening(blank)
-        cache = DynamicCache()
-        prefill(self.loaded.model, ids, cache, features)
-        prefill(self.loaded.model, ids[-1:], cache)
+        pixels = self._pixels(Image.new("RGB", (size["width"], size["height"])))
+        self.loop.call(lambda: self._warm_up(pixels))
         return time.perf_counter() - start
+
+    def _warm_up(self, pixels: torch.Tensor) -> None:
+        features = self._image_features(pixels)
+        ids = self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0])
+        kv = self.pool.new_kv()
+        try:
+            self.store.reserve(kv, len(ids) + 1)
+            self.runner.step([StepInput(kv, ids, features)])
+            self.runner.step([StepInput(kv, ids[:1], None)])  # ids[0]: not an image token
+        finally:
+            self.store.release(kv)
 
     # -- the three operations --------------------------------------------------------------
     def open(self, image: Image.Image | None = None, session_id: str | None = None) -> Opened:
@@ -90,18 +104,8 @@ class Engine:
         """
         if session_id is not None:
             self.store.check_id_free(session_id)
-        ids, features = self._encode_opening(image)
-        cache = DynamicCache()
-        if ids:
-            prefill(self.loaded.model, ids, cache, features)
-        session = Session(session_id or new_session_id(), ids, features, cache, last_used=0.0)
-        self.store.add(session)
-        return Opened(
-            session_id=session.session_id,
-            expires_at=self.store.expires_at(session),
-            prefill_tokens=len(ids),
-            image_tokens=0 if features is None else features.shape[0],
-        )
+        pixels = None if image is None else self._pixels(image)
+        return self.loop.submit(OpenRequest(self, pixels, session_id))
 
     def ask(
         self,
@@ -112,11 +116,14 @@ class Engine:
         *,
         cancelled: Callable[[], bool] | None = None,
     ) -> Answer:
-        """Answer ``question`` in the session.
+        """Answer ``question`` in the session; turns of one session run in arrival order.
 
-        ``on_token(text, token_id)`` is called for every generated id as it is generated, with
-        the text it adds (empty for special ids or a partial character); a last call with
-        ``token_id=None`` carries any text held back. The texts concatenate to the answer.
+        ``on_token(text, token_id)`` is called from the loop thread for every generated id as
+        it is generated, with the text it adds (empty for special ids or a partial character);
+        a last call with ``token_id=None`` carries any text held back. The texts concatenate to
+        the answer. ``cancelled()`` is polled before every step: when true the turn ends there
+        (stop_reason "cancelled"); past ``turn_deadline_s`` it ends too ("deadline"). Either
+        way the turn is committed like one cut by max_new_tokens.
         """
         params = GenerationParams.from_mapping(
             parameters,
@@ -124,55 +131,8 @@ class Engine:
             max_new_tokens_limit=self.config.max_new_tokens_limit,
         )
         question = self._check_question(question)
-        with self.store.use(session_id) as session:
-            tier = session.tier
-            first_has_image = not session.messages and session.image_features is not None
-            messages = [*session.messages, user_message(question, first_has_image)]
-            prompt = self._prompt_ids(session, messages)
-            self._check_length(len(prompt) + params.max_new_tokens)
-            try:  # a turn is atomic: the session commits below, or it is demoted here
-                cached = self._reuse_cache(session, prompt)
-                detokenizer = Detokenizer(self.loaded.tokenizer)
-
-                def stream(token_id: int) -> None:
-                    text = detokenizer.push(token_id)
-                    if on_token is not None:
-                        on_token(text, token_id)
-
-                decoded = decode(
-                    self.loaded.model,
-                    prompt,
-                    session.cache,
-                    session.image_features,
-                    params,
-                    self.loaded.eos_token_ids,
-                    stream,
-                    self._banned_ids,
-                    cancelled,
-                )
-                held_back = detokenizer.flush()
-                if on_token is not None and held_back:
-                    on_token(held_back, None)
-            except BaseException:
-                session.demote()  # the cache may hold a partial turn; history and messages do not
-                raise
-            text = detokenizer.text
-            session.token_ids = prompt + _answer_ids(decoded)
-            session.messages = [*messages, assistant_message(text)]
-            session.turns += 1
-        self.store.record_turn(decoded.prefill_tokens, cached)
-        return Answer(
-            session_id=session_id,
-            text=text,
-            token_ids=decoded.token_ids,
-            finished=decoded.finished,
-            new_tokens=decoded.prefill_tokens,
-            cached_tokens=cached,
-            tier=tier,
-            ttft_s=decoded.prefill_s,
-            total_s=decoded.total_s,
-            expires_at=self.store.expires_at(session),  # leaving the turn restarted the idle clock
-        )
+        request = TurnRequest(self, session_id, question, params, on_token, cancelled)
+        return self.loop.submit(request)
 
     def close(self, session_id: str) -> str | None:
         """None if this closed it; else why it was already gone (see SessionStore.close)."""
@@ -181,14 +141,14 @@ class Engine:
     def stats(self) -> StoreStats:
         return self.store.stats()
 
+    def stop(self) -> None:
+        """End the loop thread (what it still runs or holds fails); for a clean exit."""
+        self.loop.stop(wait=True)
+
     # -- helpers ---------------------------------------------------------------------------
-    def _encode_opening(self, image: Image.Image | None) -> tuple[list[int], torch.Tensor | None]:
-        """The opening's ids (image tokens expanded) and the image features, if any."""
-        if image is None:
-            return self.loaded.prompt.opening_ids(with_image=False), None
-        pixels = self.loaded.processor.image_processor(images=image, return_tensors="pt")
-        features = self._image_features(pixels.pixel_values)
-        return self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0]), features
+    def _pixels(self, image: Image.Image) -> torch.Tensor:
+        """The processor's preprocessing: runs in the caller's thread, off the loop."""
+        return self.loaded.processor.image_processor(images=image, return_tensors="pt").pixel_values
 
     @torch.inference_mode()
     def _image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -200,29 +160,6 @@ class Engine:
             pooled = torch.cat(list(pooled), dim=0)
         return pooled.reshape(-1, pooled.shape[-1])
 
-    def _prompt_ids(self, session: Session, messages: list[dict]) -> list[int]:
-        features = session.image_features
-        image_tokens = 0 if features is None else features.shape[0]
-        return self.loaded.prompt.ids(messages, image_tokens)
-
-    @staticmethod
-    def _reuse_cache(session: Session, prompt: list[int]) -> int:
-        """Crop the session's cache to the longest prefix it shares with ``prompt``; return it.
-
-        Usually that is everything cached (the prompt only appends). It is less where the
-        tokenizer merges across the old boundary, e.g. an answer whose text re-tokenizes
-        differently inside the next prompt (docs/design.md §Canonical prompt): the prompt is the
-        checkpoint's canonical tokenization, so the differing tail is prefilled again.
-        """
-        if session.cache is None:
-            session.cache = DynamicCache()
-        held = session.token_ids[: session.cache.get_seq_length()]
-        # at least one id is prefilled: its logits start the answer
-        reused = min(common_prefix_length(prompt, held), len(prompt) - 1)
-        if reused < len(held):  # transformers 5 crops by a negative count of ids to drop
-            session.cache.crop(reused - len(held))
-        return reused
-
     def _check_question(self, question) -> str:
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequest("'inputs' must be a non-empty question string")
@@ -233,7 +170,7 @@ class Engine:
             )
         return question.strip()
 
-    def _check_length(self, needed: int) -> None:
+    def check_length(self, needed: int) -> None:
         if needed > self.loaded.max_positions:
             raise InvalidRequest(
                 f"the conversation would reach {needed} tokens, past the model's "
@@ -249,15 +186,3 @@ def _session_budget(config: EngineConfig, loaded: LoadedModel) -> int:
         free, _total = torch.cuda.mem_get_info(loaded.device)
         return int(free * config.session_budget_fraction)
     return config.cpu_session_budget_bytes
-
-
-def _answer_ids(decoded: Decoded) -> list[int]:
-    """The answer as the session's history keeps it: the generated ids without the end token.
-
-    Neither the llava-hf chat template nor the demo model's renders ``</s>`` after an assistant
-    message (they render ``answer + ' '``), so the canonical next prompt holds no end token
-    there; keeping one would make every follow-up diverge from what the checkpoint sees. An
-    answer cut off by max_new_tokens is kept as generated, with nothing appended either.
-    """
-    ids = list(decoded.token_ids)
-    return ids[:-1] if decoded.finished else ids

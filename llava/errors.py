@@ -64,3 +64,14 @@ class NoCapacity(EngineError):
     """The server cannot hold this session now (memory budget); retry later or elsewhere."""
 
     code = "NO_CAPACITY"
+
+
+class Busy(NoCapacity):
+    """A turn cannot get KV memory now, even after demoting every idle session: retry after
+    ``retry_after_s`` (HTTP 503 with Retry-After). Nothing of any session was lost."""
+
+    code = "KV_MEMORY_FULL"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -1,9 +1,10 @@
 """A session's state and its memory tiers.
 
-Hot to cold: ``KV`` (cache + image features + token history: a turn prefills only its new
-tokens) → ``FEATURES`` (cache dropped: the next turn re-prefills the history, but never
-re-runs the vision tower) → gone (removed from the store). Bytes are counted from the
-tensors themselves, so the store's budget is real memory, not an estimate.
+Hot to cold: ``KV`` (blocks of the engine's KV pool + image features + token history: a turn
+prefills only its new tokens) → ``FEATURES`` (blocks given back: the next turn re-prefills the
+history, but never re-runs the vision tower) → gone (removed from the store). KV bytes are the
+pool blocks the session holds (``SessionKV.nbytes``), so the store's totals are memory the
+pool really handed out, not an estimate (docs/design-sched.md §Memory policy).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+
+from llava.kv_pool import SessionKV
 
 TOKEN_ID_BYTES = 8  # token history kept as Python ints; counted as int64
 
@@ -23,23 +25,12 @@ class Tier(enum.Enum):
     FEATURES = "features"
 
 
-def cache_bytes(cache: DynamicCache | None) -> int:
-    if cache is None:
-        return 0
-    return sum(
-        tensor.nbytes
-        for layer in cache.layers
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
-        if isinstance(tensor, torch.Tensor)
-    )
-
-
 @dataclass(eq=False)
 class Session:
     session_id: str
     token_ids: list[int]
     image_features: torch.Tensor | None
-    cache: DynamicCache | None
+    kv: SessionKV | None
     last_used: float
     turns: int = 0
     # The conversation as chat-template messages: each turn's prompt is rendered from it.
@@ -48,17 +39,17 @@ class Session:
 
     @property
     def tier(self) -> Tier:
-        return Tier.KV if self.cache is not None else Tier.FEATURES
+        return Tier.KV if self.kv is not None else Tier.FEATURES
 
     @property
     def cached_tokens(self) -> int:
-        return 0 if self.cache is None else self.cache.get_seq_length()
+        return 0 if self.kv is None else self.kv.length
 
     def bytes_by_tier(self) -> dict[Tier, int]:
         """KV bytes under KV; features and token history under FEATURES."""
         features = 0 if self.image_features is None else self.image_features.nbytes
         return {
-            Tier.KV: cache_bytes(self.cache),
+            Tier.KV: 0 if self.kv is None else self.kv.nbytes,
             Tier.FEATURES: features + TOKEN_ID_BYTES * len(self.token_ids),
         }
 
@@ -67,7 +58,11 @@ class Session:
         return sum(self.bytes_by_tier().values())
 
     def demote(self) -> int:
-        """Drop the KV cache; return the bytes freed. The next turn re-prefills."""
-        freed = cache_bytes(self.cache)
-        self.cache = None
+        """Give the KV blocks back to the pool; return the bytes freed. The next turn
+        re-prefills. The caller holds the store's lock (the pool is not thread-safe)."""
+        if self.kv is None:
+            return 0
+        freed = self.kv.nbytes
+        self.kv.free()
+        self.kv = None
         return freed

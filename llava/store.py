@@ -8,12 +8,16 @@ Policy, in bytes counted from the sessions' tensors:
   fits; only if every idle session is already demoted are the least recently used removed
   ("evicted"). Pressure therefore slows later turns (a re-prefill) before it loses anyone.
 - A session whose own features and tokens exceed the budget is refused (NoCapacity).
+- KV lives in the engine's pool (llava.kv_pool): a turn short of blocks demotes the least
+  recently used idle sessions until it fits (``reserve``); if even demoting every idle
+  session could not make room it gets Busy and nobody is demoted (docs/design-sched.md
+  §Memory policy). Every pool change happens under the store's lock.
 - Turns of one session are serialized by its lock; sessions in a turn are never demoted,
   evicted or expired underneath it.
 Removed ids are remembered (bounded) so a caller learns *why* an id is no longer valid, a
 second close of it is acknowledged, and an open cannot take it again.
 
-Totals per tier are kept as sessions change (a session's tensors change only inside ``use``,
+Totals per tier are kept as sessions change (a session's tensors change only inside a turn,
 by demotion, or by removal), so no request walks every session (docs/design.md
 §Per-request cost and kept totals).
 """
@@ -29,10 +33,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
-from llava.errors import NoCapacity, SessionIdInUse, SessionNotFound
+from llava.errors import Busy, NoCapacity, SessionIdInUse, SessionNotFound
+from llava.kv_pool import KVPoolFull, SessionKV
 from llava.session import Session, Tier
 
 _REMEMBERED_IDS = 10_000
+_RETRY_AFTER_S = 1.0  # a turn lasts seconds: by then running turns have ended and are idle
 
 # Why an id is gone → the error code its caller gets.
 CLOSED, EXPIRED, EVICTED = "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED"
@@ -161,23 +167,97 @@ class SessionStore:
     @contextmanager
     def use(self, session_id: str) -> Iterator[Session]:
         """Hold the session for one turn: serialized with its other turns, never evicted."""
+        session = self.begin_turn(session_id)
+        try:
+            yield session
+        finally:
+            self.end_turn(session)
+
+    def begin_turn(self, session_id: str) -> Session:
+        """Take the session for a turn (waits for a close in progress); pair with end_turn.
+        Until then it is never demoted, evicted or expired by anyone else."""
         with self._lock:
             self._sweep()
             session = self._lookup(session_id)
-        with session.lock:
-            with self._lock:  # it may have been closed while we waited for the lock
-                if self._sessions.get(session_id) is not session:
-                    raise self._not_found(session_id)
-            try:
-                yield session
-            finally:
-                with self._lock:
-                    session.last_used = self._clock()
-                    if self._sessions.get(session_id) is session:
-                        self._sessions.move_to_end(session_id)
-                        self._ledger.measure(session)  # the turn grew (or demoted) it
+        session.lock.acquire()
+        with self._lock:  # it may have been closed while we waited for the lock
+            if self._sessions.get(session_id) is not session:
+                session.lock.release()
+                raise self._not_found(session_id)
+        return session
+
+    def end_turn(self, session: Session) -> None:
         with self._lock:
+            session.last_used = self._clock()
+            if self._sessions.get(session.session_id) is session:
+                self._sessions.move_to_end(session.session_id)
+                self._ledger.measure(session)  # the turn grew (or demoted) it
+            session.lock.release()
             self._enforce_budget()
+
+    # -- KV memory (the pool is not thread-safe: every change happens under self._lock) ----
+    def reserve(self, kv: SessionKV, extra_tokens: int) -> None:
+        """Take pool blocks for ``extra_tokens`` more ids in ``kv``. When the pool is short,
+        demote least-recently-used idle sessions until it fits; raise Busy (demoting nobody)
+        if even demoting every idle session would not make room now, NoCapacity if the whole
+        pool could not hold it."""
+        with self._lock:
+            try:
+                kv.reserve(extra_tokens)
+                return
+            except KVPoolFull:
+                pass
+            pool = kv.pool
+            needed = pool.blocks_needed(kv, extra_tokens)
+            if needed + kv.nbytes // pool.bytes_per_block > pool.total_blocks:
+                raise NoCapacity(
+                    f"this turn needs {kv.length + extra_tokens} tokens of KV, more than the "
+                    f"server's whole KV memory holds ({pool.total_blocks * pool.block_tokens}); "
+                    "lower max_new_tokens or open a new session"
+                )
+            idle = [s for s in self._sessions.values() if s.kv is not None and self._idle(s)]
+            try:  # their locks are held until the end: none starts a turn meanwhile
+                freeable = sum(s.kv.nbytes for s in idle) // pool.bytes_per_block
+                if needed > pool.free_blocks + freeable:
+                    raise Busy(
+                        f"the KV memory is full: this turn needs {needed} blocks, "
+                        f"{pool.free_blocks} are free and idle sessions hold {freeable}; "
+                        "retry shortly",
+                        retry_after_s=_RETRY_AFTER_S,
+                    )
+                for session in idle:  # least recently used first
+                    if needed <= pool.free_blocks:
+                        break
+                    session.demote()
+                    self._ledger.measure(session)
+                    self._count(demoted=1)
+                kv.reserve(extra_tokens)
+            finally:
+                for session in idle:
+                    session.lock.release()
+
+    def crop(self, kv: SessionKV, length: int) -> None:
+        """Keep the first ``length`` ids of ``kv``; whole blocks past them go back to the pool."""
+        with self._lock:
+            kv.crop(length)
+
+    def rewind(self, kv: SessionKV, length: int) -> None:
+        """Forget what a failed step wrote past ``length``, keeping the blocks reserved."""
+        with self._lock:
+            if kv.length > length:
+                spare = kv.nbytes // kv.pool.bytes_per_block * kv.pool.block_tokens - length
+                kv.crop(length)
+                kv.reserve(spare)  # the blocks the crop just gave back: it cannot fail
+
+    def demote(self, session: Session) -> None:
+        """Drop the KV of a session in a failed turn (it may hold part of the turn)."""
+        with self._lock:
+            session.demote()
+
+    def release(self, kv: SessionKV) -> None:
+        """Give back the blocks of a KV that no session holds (an open that failed)."""
+        with self._lock:
+            kv.free()
 
     def close(self, session_id: str) -> str | None:
         """Close a live session (returns None), or acknowledge one that is already gone

@@ -1,11 +1,11 @@
 """Per-request cost vs sessions held: the handler's time per ask with 10 ... 5,000 idle sessions.
 
 The real handler runs in-process (TorchServe's Context, no frontend) on the demo model; the
-idle sessions each hold a 32-layer KV cache (LLaVA-1.5-7B's layer count; tiny tensors, since
-only the bookkeeping is measured). Columns: the handler's time per ask, the store's own
-bookkeeping per request (a turn's enter/leave plus the stats the handler publishes), and, for
-contrast, one walk of every session's tensors, which is what each request used to pay (twice:
-once for the stats, once for the budget check).
+idle sessions each hold one block of the engine's KV pool (only the bookkeeping is measured).
+Columns: the handler's time per ask, the store's own bookkeeping per request (a turn's
+enter/leave plus the stats the handler publishes), and, for contrast, one walk of every
+session's tensors, which is what each request used to pay (twice: once for the stats, once
+for the budget check).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -29,16 +28,14 @@ from llava.store import new_session_id  # noqa: E402
 from scripts.handler_harness import InProcessWorker  # noqa: E402
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
-LAYERS = 32
 HELD = (10, 100, 1000, 5000)
 ASK = {"requestType": "SESSION", "inputs": "What shape is it?", "parameters": {"max_new_tokens": 1}}
 
 
-def idle_session(kv: torch.Tensor) -> Session:
-    cache = DynamicCache()
-    for layer in range(LAYERS):
-        cache.update(kv, kv, layer)
-    return Session(new_session_id(), [0], None, cache, last_used=0.0)
+def idle_session(engine: Engine) -> Session:
+    kv = engine.pool.new_kv()
+    engine.store.reserve(kv, 1)
+    return Session(new_session_id(), [0], None, kv, last_used=0.0)
 
 
 def median_ms(action, repeat: int) -> float:
@@ -62,9 +59,8 @@ def main() -> None:
     engine = Engine.from_config(EngineConfig(model_dir=str(REPO / "models" / "demo-llava")))
     engine.warm_up()
     worker = InProcessWorker(engine)
-    kv = torch.zeros(1, 1, 1, 8)
     print(
-        f"Per-request cost vs idle sessions held (each a {LAYERS}-layer KV cache), "
+        "Per-request cost vs idle sessions held (each one KV pool block), "
         f"median of {args.turns} asks (ms):"
     )
     print(
@@ -73,7 +69,7 @@ def main() -> None:
     try:
         for held in HELD:
             while len(engine.store) < held:
-                engine.store.add(idle_session(kv))
+                engine.store.add(idle_session(engine))
             opened = worker.invoke({"requestType": "NEW_SESSION"}).json()["sessionId"]
 
             def ask(session_id=opened):

@@ -22,12 +22,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from llava.config import EngineConfig
-from llava.decoding import decode
 from llava.engine import Engine
-from llava.generation import GenerationParams
+from llava.runner import StepInput
 from llava.session import TOKEN_ID_BYTES
 from llava.synthetic import held_out_samples
 
@@ -57,7 +55,27 @@ def kv_conversation(engine: Engine, image, turns: int, params: dict):
     return timings, prompts, held
 
 
-def replay(engine: Engine, mode: str, image, prompts, params: GenerationParams):
+def answer_from_scratch(engine: Engine, prompt, features, new_tokens: int):
+    """Greedy answer to ``prompt`` on an empty KV (in the engine's loop thread, which owns
+    the model); returns (time to first token, total)."""
+
+    def run():
+        kv = engine.pool.new_kv()
+        engine.store.reserve(kv, len(prompt) + new_tokens)
+        try:
+            start = time.perf_counter()
+            logits = engine.runner.step([StepInput(kv, prompt, features)])
+            first = time.perf_counter() - start
+            for _ in range(new_tokens - 1):
+                logits = engine.runner.step([StepInput(kv, [int(logits[0].argmax())])])
+            return first, time.perf_counter() - start
+        finally:
+            engine.store.release(kv)
+
+    return engine.loop.call(run)
+
+
+def replay(engine: Engine, mode: str, image, prompts, new_tokens: int):
     """Answer each recorded prompt from scratch, redoing what ``mode`` does not cache."""
     loaded = engine.loaded
     preprocess = loaded.processor.image_processor
@@ -71,8 +89,8 @@ def replay(engine: Engine, mode: str, image, prompts, params: GenerationParams):
         if mode in ("stateless", "pixels"):
             features = engine._image_features(pixels)
         setup = time.perf_counter() - start
-        out = decode(loaded.model, prompt, DynamicCache(), features, params, loaded.eos_token_ids)
-        timings.append((setup + out.prefill_s, setup + out.total_s))
+        first, total = answer_from_scratch(engine, prompt, features, new_tokens)
+        timings.append((setup + first, setup + total))
     if mode == "stateless":
         return timings, 0  # the client re-sends image and conversation every turn
     cached = pixels if mode == "pixels" else features
@@ -92,7 +110,6 @@ def main() -> None:
     engine = Engine.from_config(EngineConfig(model_dir=str(args.model_dir)))
     image = held_out_samples(1)[0].image
     wire = {"max_new_tokens": args.new_tokens}
-    params = GenerationParams(max_new_tokens=args.new_tokens)
     kv_conversation(engine, image, 2, wire)  # warm-up: first calls allocate and compile
     runs: dict[str, list] = {mode: [] for mode in MODES}
     held: dict[str, int] = {}
@@ -100,7 +117,7 @@ def main() -> None:
         timings, prompts, held["kv"] = kv_conversation(engine, image, args.turns, wire)
         runs["kv"].append(timings)
         for mode in MODES[:-1]:
-            timings, held[mode] = replay(engine, mode, image, prompts, params)
+            timings, held[mode] = replay(engine, mode, image, prompts, args.new_tokens)
             runs[mode].append(timings)
     ttft = {
         m: [statistics.median(r[t][0] for r in runs[m]) for t in range(args.turns)] for m in MODES

@@ -193,7 +193,7 @@ def test_a_failing_callback_leaves_the_session_as_before(engine, image, fail_at)
 
 def test_banned_ids_cover_added_specials_and_padding_rows_but_not_eos(loaded):
     tokenizer = loaded.tokenizer
-    banned = set(Engine(loaded, SessionStore(budget_bytes=1), EngineConfig("-"))._banned_ids)
+    banned = set(Engine(loaded, SessionStore(budget_bytes=1 << 20), EngineConfig("-"))._banned_ids)
     assert {0, 1, 32000, 32001} <= banned  # <unk>, <s>, <image>, <pad>
     assert set(range(len(tokenizer), 32064)) <= banned  # embedding rows with no token
     assert tokenizer.eos_token_id not in banned and 29871 not in banned

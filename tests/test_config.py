@@ -41,6 +41,8 @@ def test_defaults_and_good_values_load():
         ({"LLAVA_SESSION_BUDGET_FRACTION": "1.5"}, "LLAVA_SESSION_BUDGET_FRACTION", "(0, 1]"),
         ({"LLAVA_SESSION_BUDGET_BYTES": "-1"}, "LLAVA_SESSION_BUDGET_BYTES", "integer > 0"),
         ({"LLAVA_DEFAULT_MAX_NEW_TOKENS": "5000"}, "LLAVA_DEFAULT_MAX_NEW_TOKENS", "over max_new"),
+        ({"LLAVA_TURN_DEADLINE_S": "60"}, "LLAVA_TURN_DEADLINE_S", "invocation limit"),
+        ({"LLAVA_TURN_DEADLINE_S": "0"}, "LLAVA_TURN_DEADLINE_S", "> 0 and < 60"),
     ],
 )
 def test_bad_environment_value_names_the_variable(environ, named, says):

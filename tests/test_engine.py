@@ -103,7 +103,8 @@ def test_budget_pressure_demotes_and_the_next_turn_still_answers(demo_model, sam
     a = engine.open(sample.image).session_id
     b = engine.open(held_out_samples(1, seed=30_000)[0].image).session_id
     assert engine.stats().counters.demoted >= 1 and b in engine.store
-    answer = engine.ask(a, "What color is the shape?")
+    # a turn reserves KV for its prompt + max_new_tokens up front: keep it within the budget
+    answer = engine.ask(a, "What color is the shape?", {"max_new_tokens": MAX_NEW})
     assert answer.tier is Tier.FEATURES and answer.text == sample.color
     assert engine.stats().total_bytes <= tight.budget_bytes
     probe.close(first.session_id)

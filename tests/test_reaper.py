@@ -46,7 +46,7 @@ def test_expired_sessions_are_freed_with_no_store_call(store):
         wait_until(lambda: reaped, timeout=5, what="a sweep that freed the expired session")
         assert reaped == [1]
         assert expiring.session_id not in store and fresh.session_id in store
-        assert expiring.cache is None and expiring.image_features is None  # memory let go
+        assert expiring.kv is None and expiring.image_features is None  # memory let go
     finally:
         reaper.stop()
 

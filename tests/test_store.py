@@ -5,14 +5,20 @@ import threading
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import LlamaConfig
 
 from llava.errors import NoCapacity, SessionIdInUse, SessionNotFound
+from llava.kv_pool import KVPool
 from llava.session import Session, Tier
 from llava.store import SessionStore, new_session_id
 
 SAGEMAKER_SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
 KV_BYTES = 2 * 2 * 1 * 4 * 100 * 8 * 4  # layers × (k, v) × batch × heads × tokens × dim × fp32
+# Sessions' KV lives in a pool of 2-token blocks: 100 and 150 tokens fill whole blocks.
+TEXT_CONFIG = LlamaConfig(
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, hidden_size=32, head_dim=8
+)
+POOL = KVPool(TEXT_CONFIG, budget_bytes=1 << 26, device="cpu", dtype=torch.float32, block_tokens=2)
 
 
 class FakeClock:
@@ -24,15 +30,14 @@ class FakeClock:
 
 
 def make_session(tokens=100, feature_rows=10, session_id=None) -> Session:
-    cache = DynamicCache()
-    for layer in range(2):
-        kv = torch.zeros(1, 4, tokens, 8)
-        cache.update(kv, kv.clone(), layer)
+    kv = POOL.new_kv()
+    kv.reserve(tokens)
+    kv.length = tokens  # as if a step had written them
     return Session(
         session_id=session_id or new_session_id(),
         token_ids=list(range(tokens)),
         image_features=torch.zeros(feature_rows, 8),
-        cache=cache,
+        kv=kv,
         last_used=0.0,
     )
 
@@ -67,7 +72,7 @@ def test_ttl_expiry_frees_the_session_and_its_bytes(clock):
     assert err.value.code == "SESSION_EXPIRED"
     stats = store.stats()
     assert (stats.sessions, stats.total_bytes, stats.counters.expired) == (0, 0, 1)
-    assert session.cache is None and session.image_features is None
+    assert session.kv is None and session.image_features is None
 
 
 def test_expires_at_moves_with_use(clock):
@@ -235,13 +240,11 @@ def test_kept_totals_match_a_full_walk_after_every_change(clock):
         store.add(session)
         check()
     with store.use(sessions[0].session_id) as session:  # a turn grows the cache and history
-        more = torch.zeros(1, 4, 50, 8)
-        for layer in range(2):
-            session.cache.update(more, more.clone(), layer)
+        store.reserve(session.kv, 50)
         session.token_ids += list(range(50))
     check()
     with store.use(sessions[1].session_id) as session:  # a failed turn demotes its own session
-        session.demote()
+        store.demote(session)
     check()
     store.add(make_session())  # over budget: the least recently used is demoted
     check()

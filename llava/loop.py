@@ -1,0 +1,230 @@
+"""The engine loop: one thread that owns the model and runs every request, step by step.
+
+Callers (many handler threads) put requests in an inbox and wait on their futures. Each
+iteration the loop starts what the scheduler admits, ends requests that were cancelled or ran
+out of time, then runs one step over the scheduler's plan and hands each request its logits
+row. A request that fails fails alone: its future gets the exception, the others go on
+(docs/design-sched.md §Engine loop).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import torch
+
+from llava.errors import Busy
+from llava.runner import Runner, StepInput
+from llava.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Request(Protocol):
+    """What the loop runs (llava.work): an opening prefill or a question's turn."""
+
+    future: Future
+    deadline: float  # time.monotonic() by which it must have ended
+    order_key: str | None
+    pending: int
+    prefilling: bool
+
+    def admit(self) -> None:
+        """Take what the request needs (session, KV blocks); all or nothing. Raises Busy if
+        memory is short now, or any error that fails the request."""
+
+    def stop_reason(self, now: float) -> str | None:
+        """Why it must end before the next step ("deadline", "cancelled"), or None."""
+
+    def step_input(self, n: int) -> StepInput:
+        """Its next ``n`` pending ids, to feed this step."""
+
+    def rewind(self) -> None:
+        """Undo the inputs taken since the last ``take`` (a step that raised)."""
+
+    def take(self, logits: torch.Tensor) -> str | None:
+        """Its logits row after a step; returns why it ended ("eos", "max_new_tokens"), or None."""
+
+    def finish(self, reason: str) -> None:
+        """Commit and resolve the future."""
+
+    def fail(self, error: BaseException) -> None:
+        """Undo what it holds and resolve the future with ``error``."""
+
+
+class EngineLoop:
+    def __init__(self, runner: Runner, scheduler: Scheduler, clock: Callable[[], float]):
+        self.runner = runner
+        self.scheduler = scheduler
+        self._clock = clock
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.steps = 0  # how many model steps ran (the bench counts decode steps with it)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        # A daemon thread still inside torch when the interpreter tears down can abort the
+        # process ("terminate called without an active exception"): end it first.
+        atexit.register(_stop_at_exit, weakref.ref(self))
+        return self
+
+    def stop(self, wait: bool = False, timeout: float | None = None) -> None:
+        self._inbox.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request) -> Any:
+        """Queue ``request`` and wait for its result (raises what it failed with)."""
+        self._inbox.put(request)
+        return request.future.result()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the loop thread between two steps and return its result."""
+        future: Future = Future()
+        self._inbox.put((fn, future))
+        return future.result()
+
+    # -- the thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped:
+            try:
+                self._iteration()
+            except Exception:  # a bug in the loop itself: fail what runs, keep serving
+                logger.exception("engine loop iteration failed; failing its requests")
+                for request in list(self.scheduler.running):
+                    self._fail(request, RuntimeError("internal error in the engine loop"))
+        stopped = RuntimeError("the engine was stopped")
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._fail(request, stopped)
+
+    def _iteration(self) -> None:
+        self._receive(block=self.scheduler.idle)
+        self._admit()
+        now = self._clock()
+        for request in list(self.scheduler.running):
+            reason = self._guarded(request, request.stop_reason, now)
+            if reason is not None:
+                self._end(request, reason)
+        plan = self.scheduler.plan()
+        if plan:
+            self._step(plan)
+
+    def _receive(self, block: bool) -> None:
+        """Move the inbox into the scheduler; with ``block``, wait for the first item."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                self._stopped = True
+                return
+            if isinstance(item, tuple):
+                fn, future = item
+                _resolve(future, fn)
+            else:
+                self.scheduler.add(item)
+
+    def _admit(self) -> None:
+        for request in self.scheduler.admissible():
+            try:
+                request.admit()
+            except Busy as busy:
+                # Running turns end within their deadline and their sessions turn idle (then
+                # demotable): wait for them, unless nothing runs or this one's time is up.
+                if self.scheduler.running and self._clock() < request.deadline:
+                    continue
+                self._fail(request, busy)
+            except BaseException as error:
+                self._fail(request, error)
+            else:
+                self.scheduler.start(request)
+                if not request.pending:  # nothing to feed (an opening without ids)
+                    self._end(request, "eos")
+
+    def _step(self, plan) -> None:
+        inputs = []
+        for request, n in plan:
+            inputs.append(self._guarded(request, request.step_input, n))
+        plan = [(r, n) for (r, n), i in zip(plan, inputs, strict=True) if i is not None]
+        inputs = [i for i in inputs if i is not None]
+        if not inputs:
+            return
+        try:
+            logits = self.runner.step(inputs)
+        except Exception:  # find which request(s) the step fails for, alone
+            logger.exception("a step of %d sequences failed; retrying each alone", len(inputs))
+            for request, _n in plan:
+                request.rewind()
+            self._step_alone(plan)
+            return
+        self.steps += 1
+        for (request, _n), row in zip(plan, logits, strict=True):
+            self._take(request, row)
+
+    def _step_alone(self, plan) -> None:
+        for request, n in plan:
+            try:
+                row = self.runner.step([request.step_input(n)])[0]
+            except Exception as error:
+                request.rewind()
+                self._fail(request, error)
+            else:
+                self._take(request, row)
+
+    def _take(self, request: Request, row: torch.Tensor) -> None:
+        reason = self._guarded(request, request.take, row)
+        if reason is not None:
+            self._end(request, reason)
+
+    def _guarded(self, request: Request, method, *args):
+        """``method(*args)``; if it raises, the request fails (alone) and None is returned."""
+        try:
+            return method(*args)
+        except Exception as error:
+            self._fail(request, error)
+            return None
+
+    def _end(self, request: Request, reason: str) -> None:
+        self.scheduler.remove(request)
+        try:
+            request.finish(reason)
+        except Exception as error:
+            self._settle(request, error)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        if request in self.scheduler.running or request in self.scheduler.waiting:
+            self.scheduler.remove(request)
+            self._settle(request, error)
+
+    @staticmethod
+    def _settle(request: Request, error: BaseException) -> None:
+        """Fail ``request``; whatever its undo raises, its caller still gets an answer."""
+        try:
+            request.fail(error)
+        except Exception:
+            logger.exception("undoing a failed request failed")
+        if not request.future.done():
+            request.future.set_exception(error)
+
+
+def _stop_at_exit(loop_ref: weakref.ref) -> None:
+    loop = loop_ref()
+    if loop is not None:
+        loop.stop(wait=True, timeout=10)
+
+
+def _resolve(future: Future, fn: Callable[[], Any]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as error:
+        future.set_exception(error)

@@ -1,0 +1,83 @@
+"""Which waiting requests start, and which ids each running one feeds to the next step.
+
+Pure bookkeeping (no model, no store), so the policy is testable alone:
+- Requests start in arrival order, at most ``max_batch`` running at once. Requests of one
+  session (same ``order_key``) start strictly one after another: a second ask waits until
+  the first has finished, and no later ask of that session overtakes it.
+- A step feeds every decoding request its one id, and the prefilling requests (first come,
+  first served) up to ``prefill_chunk_tokens`` ids between them, so a long prefill delays the
+  decodes sharing its steps by a bounded amount ("mixed"). With ``mixed=False`` prefill
+  steps and decode steps alternate instead (docs/design-sched.md §Mixed or alternating steps).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Schedulable(Protocol):
+    order_key: str | None  # requests with the same key run in arrival order, one at a time
+    pending: int  # ids not yet fed to the model
+    prefilling: bool  # True until the prompt has been fed (it then decodes one id a step)
+
+
+class Scheduler:
+    def __init__(self, max_batch: int = 32, prefill_chunk_tokens: int = 512, mixed: bool = True):
+        if max_batch < 1 or prefill_chunk_tokens < 1:
+            raise ValueError("max_batch and prefill_chunk_tokens must be >= 1")
+        self.max_batch = max_batch
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.mixed = mixed
+        self.waiting: list[Schedulable] = []
+        self.running: list[Schedulable] = []
+        self._last_was_prefill = False
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, request: Schedulable) -> None:
+        self.waiting.append(request)
+
+    def admissible(self) -> list[Schedulable]:
+        """Waiting requests that may start now, in arrival order; the caller starts each one
+        (``start``), drops it (``remove``), or leaves it waiting (it is offered again)."""
+        taken = {r.order_key for r in self.running if r.order_key is not None}
+        slots = self.max_batch - len(self.running)
+        chosen = []
+        for request in self.waiting:
+            if slots == 0:
+                break
+            key = request.order_key
+            if key is not None:
+                if key in taken:
+                    continue
+                taken.add(key)  # later requests of this session wait behind this one
+            chosen.append(request)
+            slots -= 1
+        return chosen
+
+    def start(self, request: Schedulable) -> None:
+        self.waiting.remove(request)
+        self.running.append(request)
+
+    def remove(self, request: Schedulable) -> None:
+        for queue in (self.waiting, self.running):
+            if request in queue:
+                queue.remove(request)
+
+    def plan(self) -> list[tuple[Schedulable, int]]:
+        """The next step: (request, how many of its pending ids it feeds)."""
+        decodes = [(r, 1) for r in self.running if not r.prefilling and r.pending]
+        prefills = []
+        budget = self.prefill_chunk_tokens
+        for request in self.running:
+            if request.prefilling and request.pending and budget > 0:
+                take = min(request.pending, budget)
+                prefills.append((request, take))
+                budget -= take
+        if self.mixed:
+            return prefills + decodes
+        prefill_turn = prefills and not (decodes and self._last_was_prefill)
+        self._last_was_prefill = bool(prefill_turn)
+        return prefills if prefill_turn else decodes

@@ -1,0 +1,300 @@
+"""What the engine loop runs for one request: an opening prefill, or a question's turn.
+
+Each request takes what it needs when the loop admits it (the session, KV blocks), feeds its
+ids to the steps the scheduler plans, and ends by committing (``finish``) or by undoing
+(``fail``); either way its caller's future is resolved exactly once. A turn commits exactly
+as a turn alone did: canonical prompt, cache reuse by common prefix, no end token in the
+history, and a failure demotes its session but leaves its history
+(docs/design.md §Canonical prompt; docs/design-sched.md §Engine loop).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import torch
+
+from llava.decoding import Chooser
+from llava.detokenizer import Detokenizer
+from llava.generation import GenerationParams
+from llava.kv_pool import SessionKV
+from llava.prompt import assistant_message, common_prefix_length, user_message
+from llava.runner import StepInput
+from llava.session import Session, Tier
+from llava.store import new_session_id
+
+if TYPE_CHECKING:
+    from llava.engine import Engine
+
+# Why a turn ended; only "eos" is a finished answer.
+EOS, MAX_NEW_TOKENS, DEADLINE, CANCELLED = "eos", "max_new_tokens", "deadline", "cancelled"
+
+
+@dataclass(frozen=True)
+class Opened:
+    session_id: str
+    expires_at: datetime
+    prefill_tokens: int
+    image_tokens: int
+
+
+@dataclass(frozen=True)
+class Answer:
+    session_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool  # True only when the answer ended with an end token
+    stop_reason: str  # eos, max_new_tokens, deadline or cancelled
+    new_tokens: int  # prefilled this turn
+    cached_tokens: int  # reused from the session's KV cache
+    tier: Tier  # the session's tier when the turn started
+    ttft_s: float  # from the ask to its first token
+    total_s: float
+    expires_at: datetime
+
+
+class Feed:
+    """A sequence's ids still to be fed, in chunks, each chunk with the image features of the
+    image tokens it holds (so a prefill may be split anywhere, even inside the image)."""
+
+    def __init__(self, kv: SessionKV, ids: list[int], features, image_token_id: int, images_fed=0):
+        self.kv = kv
+        self.ids = ids
+        self.features = features
+        self.image_token_id = image_token_id
+        self.fed = 0
+        self.images_fed = images_fed  # image tokens of the prompt already in the KV
+        self._undo = (0, 0, 0)
+
+    @property
+    def pending(self) -> int:
+        return len(self.ids) - self.fed
+
+    def take(self, n: int) -> StepInput:
+        self._undo = (self.fed, self.images_fed, self.kv.length)
+        chunk = self.ids[self.fed : self.fed + n]
+        self.fed += len(chunk)
+        features = None
+        images = chunk.count(self.image_token_id) if self.features is not None else 0
+        if images:
+            features = self.features[self.images_fed : self.images_fed + images]
+            self.images_fed += images
+        return StepInput(kv=self.kv, ids=chunk, image_features=features)
+
+    def rewind(self, store) -> None:
+        self.fed, self.images_fed, length = self._undo
+        store.rewind(self.kv, length)
+
+    def append(self, token_id: int) -> None:
+        self.ids.append(token_id)
+
+
+class _Request:
+    order_key: str | None = None
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.arrived = time.monotonic()
+        self.deadline = self.arrived + engine.config.turn_deadline_s
+        self.future: Future = Future()
+        self.feed: Feed | None = None
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.feed is None else self.feed.pending
+
+    def step_input(self, n: int) -> StepInput:
+        return self.feed.take(n)
+
+    def rewind(self) -> None:
+        self.feed.rewind(self.engine.store)
+
+
+class OpenRequest(_Request):
+    """The vision tower once, then the opening's prefill; the session starts hot."""
+
+    prefilling = True
+
+    def __init__(self, engine: Engine, pixels: torch.Tensor | None, session_id: str | None):
+        super().__init__(engine)
+        self.pixels = pixels
+        self.session_id = session_id
+        self.features: torch.Tensor | None = None
+
+    def admit(self) -> None:
+        engine = self.engine
+        if self.pixels is not None and self.features is None:  # kept if Busy makes it wait
+            self.features = engine._image_features(self.pixels)
+        image_tokens = 0 if self.features is None else self.features.shape[0]
+        ids = engine.loaded.prompt.opening_ids(self.features is not None, image_tokens)
+        kv = engine.pool.new_kv()
+        engine.store.reserve(kv, len(ids))
+        self.feed = Feed(kv, ids, self.features, engine.image_token_id)
+
+    def stop_reason(self, now: float) -> str | None:
+        return None  # one prefill: it ends at once
+
+    def take(self, logits: torch.Tensor) -> str | None:
+        return None if self.feed.pending else EOS
+
+    def finish(self, reason: str) -> None:
+        store = self.engine.store
+        feed = self.feed
+        session = Session(
+            self.session_id or new_session_id(), feed.ids, self.features, feed.kv, last_used=0.0
+        )
+        store.add(session)
+        self.feed = None  # the session owns the KV now
+        self.future.set_result(
+            Opened(
+                session_id=session.session_id,
+                expires_at=store.expires_at(session),
+                prefill_tokens=len(feed.ids),
+                image_tokens=0 if self.features is None else self.features.shape[0],
+            )
+        )
+
+    def fail(self, error: BaseException) -> None:
+        if self.feed is not None:
+            self.engine.store.release(self.feed.kv)
+        self.future.set_exception(error)
+
+
+class TurnRequest(_Request):
+    def __init__(
+        self,
+        engine: Engine,
+        session_id: str,
+        question: str,
+        params: GenerationParams,
+        on_token: Callable[[str, int | None], None] | None,
+        cancelled: Callable[[], bool] | None,
+    ):
+        super().__init__(engine)
+        self.order_key = session_id
+        self.question = question
+        self.params = params
+        self.on_token = on_token
+        self.cancelled = cancelled
+        self.session: Session | None = None
+        eos = engine.loaded.eos_token_ids
+        self.chooser = Chooser(params, eos, engine._banned_ids, engine.device)
+        self.detokenizer = Detokenizer(engine.loaded.tokenizer)
+        self.first_token_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.chooser.generated
+
+    def admit(self) -> None:
+        engine, store = self.engine, self.engine.store
+        session = store.begin_turn(self.order_key)
+        try:
+            self.tier = session.tier
+            first_has_image = not session.messages and session.image_features is not None
+            self.messages = [*session.messages, user_message(self.question, first_has_image)]
+            features = session.image_features
+            image_tokens = 0 if features is None else features.shape[0]
+            self.prompt = engine.loaded.prompt.ids(self.messages, image_tokens)
+            engine.check_length(len(self.prompt) + self.params.max_new_tokens)
+            kv = session.kv if session.kv is not None else engine.pool.new_kv()
+            self.reused = self._reuse(kv, session.token_ids)
+            store.reserve(kv, len(self.prompt) - self.reused + self.params.max_new_tokens)
+        except BaseException:
+            store.end_turn(session)
+            raise
+        session.kv = kv
+        self.session = session
+        reused = self.prompt[: self.reused]
+        self.feed = Feed(
+            kv,
+            self.prompt[self.reused :],
+            features,
+            engine.image_token_id,
+            images_fed=reused.count(engine.image_token_id),
+        )
+
+    def _reuse(self, kv: SessionKV, history: list[int]) -> int:
+        """Crop the KV to the longest prefix it shares with the prompt; return its length.
+
+        Usually that is everything cached (the prompt only appends). It is less where the
+        tokenizer merges across the old boundary, e.g. an answer whose text re-tokenizes
+        differently inside the next prompt (docs/design.md §Canonical prompt): the prompt is
+        the checkpoint's canonical tokenization, so the differing tail is prefilled again.
+        """
+        held = history[: kv.length]
+        # at least one id is prefilled: its logits start the answer
+        reused = min(common_prefix_length(self.prompt, held), len(self.prompt) - 1)
+        if reused < kv.length:
+            self.engine.store.crop(kv, reused)
+        return reused
+
+    def stop_reason(self, now: float) -> str | None:
+        if self.cancelled is not None and self.cancelled():
+            return CANCELLED
+        return DEADLINE if now >= self.deadline else None
+
+    def take(self, logits: torch.Tensor) -> str | None:
+        if self.feed.pending:
+            return None  # a prefill chunk that is not the prompt's last
+        token = self.chooser.choose(logits)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self._emit(self.detokenizer.push(token), token)
+        if self.chooser.ended:
+            return EOS
+        if self.chooser.exhausted:
+            return MAX_NEW_TOKENS
+        self.feed.append(token)
+        return None
+
+    def _emit(self, text: str, token_id: int | None) -> None:
+        if self.on_token is not None:
+            self.on_token(text, token_id)
+
+    def finish(self, reason: str) -> None:
+        held_back = self.detokenizer.flush()
+        if held_back:
+            self._emit(held_back, None)
+        store, session = self.engine.store, self.session
+        generated = self.chooser.generated
+        text = self.detokenizer.text
+        # No end token in the history: the chat template renders none after an answer, so
+        # keeping one would make every follow-up diverge from what the checkpoint sees.
+        answer_ids = generated[:-1] if reason == EOS else generated
+        session.token_ids = self.prompt + answer_ids
+        session.messages = [*self.messages, assistant_message(text)]
+        session.turns += 1
+        store.crop(session.kv, session.kv.length)  # the blocks reserved but not written
+        store.end_turn(session)
+        self.session = None
+        store.record_turn(len(self.prompt) - self.reused, self.reused)
+        now = time.monotonic()
+        self.future.set_result(
+            Answer(
+                session_id=session.session_id,
+                text=text,
+                token_ids=tuple(generated),
+                finished=reason == EOS,
+                stop_reason=reason,
+                new_tokens=len(self.prompt) - self.reused,
+                cached_tokens=self.reused,
+                tier=self.tier,
+                ttft_s=(self.first_token_at or now) - self.arrived,
+                total_s=now - self.arrived,
+                expires_at=store.expires_at(session),  # the turn restarted the idle clock
+            )
+        )
+
+    def fail(self, error: BaseException) -> None:
+        session = self.session
+        if session is not None:  # the KV may hold a partial turn; history and messages do not
+            self.engine.store.demote(session)
+            self.engine.store.end_turn(session)
+            self.session = None
+        self.future.set_exception(error)
