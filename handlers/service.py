@@ -202,7 +202,7 @@ def _answer_payload(answer: Answer) -> dict:
         "generation": {
             "text": answer.text,
             "finished": answer.finished,
-            "finishReason": _finish_reason(answer),
+            "finishReason": answer.stop_reason,
             "generatedTokens": len(answer.token_ids),
         },
         "usage": {
@@ -216,13 +216,3 @@ def _answer_payload(answer: Answer) -> dict:
         },
         "expiresAt": _iso(answer.expires_at),
     }
-
-
-def _finish_reason(answer: Answer) -> str:
-    """``eos``, ``max_new_tokens``, ``deadline`` or ``cancelled``: the engine's stop_reason.
-    Until the batching engine lands (issue 13), Answer has no stop_reason and says only
-    whether the answer finished."""
-    reason = getattr(answer, "stop_reason", None)
-    if reason is None:
-        reason = "eos" if answer.finished else "max_new_tokens"
-    return reason

@@ -209,19 +209,9 @@ def test_every_engine_error_maps_to_its_status_with_a_json_body(cls, status):
     assert reply.headers == {}
 
 
-class KVMemoryFull(errors.NoCapacity):
-    """A stand-in for llava.errors.Busy (sched's engine): a 503 that says when to retry."""
-
-    code = "KV_MEMORY_FULL"
-
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
 @pytest.mark.parametrize("retry_after_s, header", [(0.2, "1"), (2.0, "2"), (2.5, "3")])
 def test_busy_is_a_503_with_retry_after_in_whole_seconds(retry_after_s, header):
-    reply = error_response(KVMemoryFull("the KV pool is full", retry_after_s))
+    reply = error_response(errors.Busy("the KV pool is full", retry_after_s=retry_after_s))
     assert (reply.status, reply.headers) == (503, {"Retry-After": header})
     assert reply.payload["error"] == {
         "code": "KV_MEMORY_FULL",
