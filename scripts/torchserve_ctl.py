@@ -104,7 +104,8 @@ class TorchServeInstance:
         for d in (self.tmp_dir, self.log_dir):  # a killed instance leaves extracted archives
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
-        with open(self.root / "torchserve.out", "wb") as out:
+        # Appended: a supervisor's restart (scripts/supervisor.py) keeps one console log.
+        with open(self.root / "torchserve.out", "ab") as out:
             launched = subprocess.run(
                 [
                     TORCHSERVE,
