@@ -74,6 +74,19 @@ class Supervisor:
             if not self.ready():
                 self.restart()
 
+    def watch_in_thread(self, stop: threading.Event) -> threading.Thread:
+        """``watch`` in a daemon thread; how it ended goes to the log (``ready()`` stays False)."""
+
+        def run() -> None:
+            try:
+                self.watch(stop)
+            except TorchServeError as e:
+                self.log(f"supervisor: {str(e).splitlines()[0]}; instance left down")
+
+        thread = threading.Thread(target=run, name=f"supervise {self.ts.root.name}", daemon=True)
+        thread.start()
+        return thread
+
     def restart(self) -> int:
         dead, self._pid = self._pid, None
         now = time.monotonic()
