@@ -100,7 +100,7 @@ class Supervisor:
         self.restarts.append(now)
         self.log(f"supervisor: worker {dead} died, restarting TorchServe ({self.ts.root})")
         began = time.monotonic()
-        self.ts.stop()
+        self.ts.stop(graceful=False)  # nothing to save: the sessions died with the worker
         pid = self.start()
         self.log(f"supervisor: READY again in {time.monotonic() - began:.1f} s: worker pid {pid}")
         return pid

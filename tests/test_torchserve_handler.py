@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from llava.synthetic import held_out_samples
+from scripts import torchserve_ctl
 from scripts.make_mar import build_mar
 from scripts.supervisor import Supervisor
 from scripts.torchserve_ctl import TorchServeInstance
@@ -317,25 +318,32 @@ def test_an_expired_session_gets_400_expired(short_ttl_server, images):
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "SESSION_EXPIRED"
 
 
-def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images):
-    """TorchServe 0.12 never makes a restarted async worker READY again, so the supervisor
-    restarts the whole instance (scripts/supervisor.py): same ports, sessions gone (a clean 400),
-    new sessions served."""
+def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images, capsys):
+    """TorchServe 0.12 never makes a restarted async worker READY again (`status` says the
+    worker died), so the supervisor restarts the whole instance (scripts/supervisor.py): same
+    ports, sessions gone (a clean 400), new sessions served."""
     url, truth = images["b"]
     session_id = open_session(short_ttl_server, url)
     supervisor, stop, logged = Supervisor(short_ttl_server), threading.Event(), []
     supervisor.log = logged.append
     old = supervisor.adopt()
+    killed_at = time.monotonic()
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: not supervisor.ready(), timeout=10, what="the kill seen")
+    status = torchserve_ctl.main(
+        ["status", "--instance-dir", str(short_ttl_server.root), "--model-store", str(MAR.parent)]
+        + ["--management-port", str(short_ttl_server.management_port)]
+    )
+    assert status == 1 and f"worker {old} died" in capsys.readouterr().out
     watching = supervisor.watch_in_thread(stop)
     try:
-        killed_at = time.monotonic()
-        os.kill(old, signal.SIGKILL)
         new = wait_until(
             lambda: supervisor.ready() and short_ttl_server.worker_pid(),
             timeout=120,
             what="a restarted READY worker",
         )
-        print(f"killed worker: READY again after {time.monotonic() - killed_at:.1f} s: {logged}")
+        with capsys.disabled():
+            print(f"killed worker: READY again after {time.monotonic() - killed_at:.1f} s {logged}")
     finally:
         stop.set()
         watching.join(timeout=10)
