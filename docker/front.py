@@ -7,10 +7,12 @@ public port:
 
 - ``GET /ping``: 200 only while ``ready()`` says a worker is READY, else 503.
 - anything else (``POST /invocations`` above all) is forwarded to TorchServe's inference API
-  unchanged. A streamed reply (JSON lines) is relayed chunk by chunk as it arrives, so
-  ``"stream": true`` still streams through the front; any other reply is read whole and sent
-  with a ``Content-Length`` (the async worker sends every 200 as a chunked body:
-  handlers/service.py, ``_Reply.finish``).
+  unchanged, but only while ``ready()``: otherwise a 503 ``NOT_READY`` JSON error at once (a
+  request reaching a reloading async worker would crash-loop it: scripts/supervisor.py).
+  A streamed reply (JSON lines) is relayed chunk by chunk as it arrives, so ``"stream": true``
+  still streams through the front; any other reply is read whole and sent with a
+  ``Content-Length`` (the async worker sends every 200 as a chunked body: handlers/service.py,
+  ``_Reply.finish``).
 - a client that hangs up mid-stream: TorchServe would never tell the worker, so the front sends
   ``{"requestType": "CANCEL_TURN"}`` for the session and its turn stops at the next step.
 
@@ -91,6 +93,10 @@ class _FrontHandler(BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         body = self._read_body()
+        if not self.server.ready():
+            message = "the model server is starting or restarting; retry shortly"
+            self._reply_json(503, {"error": {"code": "NOT_READY", "message": message}})
+            return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
         upstream = http.client.HTTPConnection(
             *self.server.upstream, timeout=self.server.upstream_timeout_s

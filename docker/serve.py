@@ -11,10 +11,14 @@ it answers 200; model data is under ``/opt/ml/model``. This process
      handler, the weights referenced in place (nothing is copied);
 3. starts the front on the public port at once (``/ping`` 503) and TorchServe on internal
    loopback ports, and waits until the management API reports a READY worker (``/ping`` 200);
-4. exits non-zero when TorchServe exits, when the worker crash-loops while loading, or when
-   no worker is READY within ``SERVE_STARTUP_TIMEOUT_S``; exits 0 on SIGTERM after stopping
-   TorchServe. A container that exits is restarted or replaced by SageMaker, which is better
-   than one that crash-loops forever behind a 200.
+4. when the READY worker dies, restarts the whole TorchServe instance (scripts/supervisor.py;
+   TorchServe 0.12's own restart of an async worker never serves again): ``/ping`` is 503 and
+   ``/invocations`` a 503 ``NOT_READY`` meanwhile, sessions are gone (400 ``SESSION_NOT_FOUND``);
+5. exits 1 when TorchServe exits, when the worker crash-loops while loading, when no worker is
+   READY within ``SERVE_STARTUP_TIMEOUT_S``, or when the worker died more than
+   ``SERVE_MAX_RESTARTS`` times within ``SERVE_RESTART_WINDOW_S``; exits 0 on SIGTERM after
+   stopping TorchServe. A container that exits is restarted or replaced by SageMaker, which is
+   better than one that crash-loops forever behind a 200.
 
 Engine settings reach the worker as ``LLAVA_*`` variables (README "Configuration"). The
 entrypoint's own settings, all overridable so that tests run it unprivileged on loopback:
@@ -25,6 +29,8 @@ entrypoint's own settings, all overridable so that tests run it unprivileged on 
     SERVE_TS_PORTS           8180,8181,8182   TorchServe inference, management, metrics (loopback)
     SERVE_WORK_DIR           /tmp/llava-serve  TorchServe's logs, temp files, generated .mar
     SERVE_STARTUP_TIMEOUT_S  1800         from start to a READY worker
+    SERVE_MAX_RESTARTS       3            whole-instance restarts allowed within ...
+    SERVE_RESTART_WINDOW_S   600          ... this many seconds; one more worker death: exit 1
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from llava.config import (  # noqa: E402
     unknown_env_names,
 )
 from scripts.make_mar import build_mar  # noqa: E402
+from scripts.supervisor import RestartLimit, Supervisor  # noqa: E402
 from scripts.torchserve_ctl import TorchServeError, TorchServeInstance  # noqa: E402
 
 MODEL_NAME = "llava"
@@ -71,6 +78,8 @@ class Settings:
     ts_ports: tuple[int, int, int] = (8180, 8181, 8182)
     work_dir: Path = Path("/tmp/llava-serve")
     startup_timeout_s: float = 1800.0
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str]) -> Settings:
@@ -88,6 +97,10 @@ class Settings:
                 work_dir=Path(environ.get("SERVE_WORK_DIR", defaults.work_dir)),
                 startup_timeout_s=float(
                     environ.get("SERVE_STARTUP_TIMEOUT_S", defaults.startup_timeout_s)
+                ),
+                max_restarts=int(environ.get("SERVE_MAX_RESTARTS", defaults.max_restarts)),
+                restart_window_s=float(
+                    environ.get("SERVE_RESTART_WINDOW_S", defaults.restart_window_s)
                 ),
             )
         except ValueError as e:
@@ -173,12 +186,15 @@ def serve(settings: Settings) -> int:
     ts = TorchServeInstance(
         settings.work_dir / "ts", inference, management, metrics, store, name, host="127.0.0.1"
     )
+    supervisor = Supervisor(
+        ts,
+        settings.max_restarts,
+        settings.restart_window_s,
+        settings.startup_timeout_s,
+        log=lambda line: print(f"serve: {line}", flush=True),
+    )
     try:
-        front = Front(
-            (settings.host, settings.port),
-            ("127.0.0.1", inference),
-            ready=lambda: ts.worker_pid() is not None,
-        )
+        front = Front((settings.host, settings.port), ("127.0.0.1", inference), supervisor.ready)
     except OSError as e:
         raise SettingError(f"cannot listen on {settings.host}:{settings.port}: {e}") from None
     threading.Thread(target=front.serve_forever, name="front", daemon=True).start()
@@ -188,14 +204,14 @@ def serve(settings: Settings) -> int:
     began = time.monotonic()
     print(f"serve: {name} from {store} on {settings.host}:{settings.port}", flush=True)
     try:
-        ts.start(settings.startup_timeout_s)
+        supervisor.start()
         print(f"serve: READY in {time.monotonic() - began:.1f} s", flush=True)
-        while ts.java_pid() is not None:
-            time.sleep(1.0)
-        print("serve: TorchServe exited", file=sys.stderr, flush=True)
+        supervisor.watch(threading.Event())  # returns only by raising
+    except RestartLimit as e:
+        print(f"serve: {e}; exiting so that the container is replaced", file=sys.stderr, flush=True)
         return 1
     except TorchServeError as e:
-        print(f"serve: TorchServe did not start: {e}", file=sys.stderr, flush=True)
+        print(f"serve: TorchServe failed: {e}", file=sys.stderr, flush=True)
         return 1
     except Stopped as e:
         print(f"serve: {e}, stopping", flush=True)

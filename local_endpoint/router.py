@@ -3,7 +3,9 @@
 A new session goes to the live instance holding the fewest sessions; later calls go where
 their session lives. An instance that stops answering takes its sessions with it (their ids
 become unknown, as they would on SageMaker once an instance is replaced); it gets no new
-sessions until a ``/ping`` answers again.
+sessions until a ``/ping`` answers again. A supervised instance (``ready`` given: its
+supervisor's answer, scripts/supervisor.py) is asked that instead of ``/ping``, which
+TorchServe answers while its worker reloads.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PROBE_EVERY_S = 2.0  # how often a dead instance is pinged before it gets new sessions again
@@ -32,9 +35,16 @@ class Backend:
     alive: bool = True
     failed_at: float = 0.0
     sessions: set[str] = field(default_factory=set)
+    ready: Callable[[], bool] | None = None  # None: probe /ping now and then
 
-    def answers_ping(self) -> bool:
-        return answers_ping(self.url)
+    def serving(self) -> bool:
+        """Whether requests may go to this instance now."""
+        if self.ready is not None:
+            return self.ready()
+        if not self.alive and time.monotonic() - self.failed_at > PROBE_EVERY_S:
+            self.alive = answers_ping(self.url)
+            self.failed_at = time.monotonic()
+        return self.alive
 
 
 class Router:
@@ -53,12 +63,8 @@ class Router:
         """The live instance with the fewest sessions (dead ones are re-probed now and then)."""
         with self._lock:
             candidates = [b for b in self.backends if b.name not in exclude]
-        for backend in candidates:
-            if not backend.alive and time.monotonic() - backend.failed_at > PROBE_EVERY_S:
-                backend.alive = backend.answers_ping()
-                backend.failed_at = time.monotonic()
+        live = [b for b in candidates if b.serving()]  # a probe may take a second: unlocked
         with self._lock:
-            live = [b for b in candidates if b.alive]
             return min(live, key=lambda b: len(b.sessions), default=None)
 
     def bind(self, session_id: str, backend: Backend) -> None:

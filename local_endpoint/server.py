@@ -144,6 +144,8 @@ class _Handler(BaseHTTPRequestHandler):
                     "or its instance is gone"
                 )
             try:
+                if not backend.serving():  # e.g. restarting: its sessions are gone
+                    raise BackendDown(f"instance {backend.name} is not serving")
                 reply = self._forward(backend, body)
             except BackendDown:
                 lost = self.server.router.mark_dead(backend)

@@ -6,14 +6,17 @@
 
 ``start`` returns once every instance has a READY worker and the endpoint answers ``/ping``;
 the instances (``<run-dir>/instance-<i>``, free loopback ports) and the endpoint process keep
-running in the background until ``stop``. LLAVA_* variables in the environment reach the
-instances (e.g. ``LLAVA_INTAKE='{"allow": ["127.0.0.1"]}'`` for images served on loopback).
+running in the background until ``stop``. The endpoint process supervises the instances: one
+whose worker dies is restarted whole (scripts/supervisor.py), its sessions lost. LLAVA_*
+variables in the environment reach the instances (e.g.
+``LLAVA_INTAKE='{"allow": ["127.0.0.1"]}'`` for images served on loopback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -75,12 +78,17 @@ class LocalEndpoint:
         return instances
 
     def _spawn_server(self, instances: list[TorchServeInstance], timeout: float) -> None:
-        backends = [f"--backend=instance-{i}={ts.inference_url}" for i, ts in enumerate(instances)]
+        supervised = [  # the endpoint restarts an instance whose worker died (supervisor.py)
+            f"--instance=instance-{i}={ts.root}:{ts.inference_port}:{ts.management_port}:"
+            f"{ts.metrics_port}"
+            for i, ts in enumerate(instances)
+        ]
         with open(self.log, "wb") as log:
             server = subprocess.Popen(
                 [sys.executable, "-m", "local_endpoint", "--port", str(self.port)]
-                + ["--name", self.name, "--part-bytes", str(self.part_bytes), *backends],
+                + ["--name", self.name, "--part-bytes", str(self.part_bytes), *supervised],
                 cwd=REPO,
+                env={**os.environ, **self.env},  # what a restarted instance's workers get
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives `make endpoint`

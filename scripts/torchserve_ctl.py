@@ -87,6 +87,11 @@ class TorchServeInstance:
         return self.root / "logs"
 
     @property
+    def started_worker_file(self) -> Path:
+        """The pid of the worker that ``start`` saw READY: ``status`` tells if it died."""
+        return self.root / "worker.pid"
+
+    @property
     def inference_url(self) -> str:
         return f"http://127.0.0.1:{self.inference_port}"
 
@@ -104,7 +109,8 @@ class TorchServeInstance:
         for d in (self.tmp_dir, self.log_dir):  # a killed instance leaves extracted archives
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
-        with open(self.root / "torchserve.out", "wb") as out:
+        # Appended: a supervisor's restart (scripts/supervisor.py) keeps one console log.
+        with open(self.root / "torchserve.out", "ab") as out:
             launched = subprocess.run(
                 [
                     TORCHSERVE,
@@ -126,10 +132,12 @@ class TorchServeInstance:
         if launched.returncode != 0:
             raise self._failure(f"torchserve --start exited with {launched.returncode}")
         try:
-            return self.wait_ready(timeout)
+            pid = self.wait_ready(timeout)
         except TorchServeError:
             self.stop()
             raise
+        self.started_worker_file.write_text(str(pid))
+        return pid
 
     def wait_ready(self, timeout: float = 180.0) -> int:
         """Poll the management API until a worker of ours is READY; return its pid.
@@ -158,10 +166,11 @@ class TorchServeInstance:
                 raise self._failure(f"no READY worker after {timeout:.0f} s")
             time.sleep(0.25)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Stop gracefully, then kill whatever of this instance is left; stopped is fine."""
+    def stop(self, timeout: float = 60.0, graceful: bool = True) -> None:
+        """Stop gracefully (unless told not to: then at once), then kill whatever of this
+        instance is left; stopped is fine."""
         procs = self.processes()
-        if self.java_pid() is not None:  # SIGTERM to Java; we wait ourselves, bounded, below
+        if graceful and self.java_pid() is not None:  # SIGTERM to Java; we wait, bounded, below
             subprocess.run(
                 [TORCHSERVE, "--stop"],
                 env=self._env(),
@@ -169,7 +178,7 @@ class TorchServeInstance:
                 stdout=subprocess.DEVNULL,
                 check=False,
             )
-        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        _, alive = psutil.wait_procs(procs, timeout=timeout if graceful else 0)
         for proc in alive:
             proc.kill()
         _, alive = psutil.wait_procs(alive, timeout=10)
@@ -235,14 +244,26 @@ class TorchServeInstance:
 
 
 def _ready_pid(workers: list[dict], java: int | None) -> int | None:
-    """The first READY worker that Java started: not another server's answering on our port."""
+    """The first live READY worker that Java started: not another server's answering on our
+    port, nor a killed one that Java has not reaped yet (the API says READY a while longer)."""
     for w in workers:
         try:
-            if w["status"] == "READY" and java and psutil.Process(w["pid"]).ppid() == java:
+            if w["status"] != "READY" or not java:
+                continue
+            if psutil.Process(w["pid"]).ppid() == java and _alive(w["pid"]):
                 return w["pid"]
         except psutil.Error:
             pass
     return None
+
+
+def _dead_started_worker(ts: TorchServeInstance) -> int | None:
+    """The worker ``start`` saw READY, if it has died since while Java runs on."""
+    try:
+        pid = int(ts.started_worker_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if ts.java_pid() is not None and not _alive(pid) else None
 
 
 def _alive(pid: int) -> bool:
@@ -302,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pid = ts.worker_pid()
             print(f"{args.model}: java {ts.java_pid()}, READY worker {pid}")
+            if pid is None and (dead := _dead_started_worker(ts)):
+                print(
+                    f"worker {dead} died: TorchServe 0.12 async mode never serves its own "
+                    "restart of it (the management API says UNLOADING); its sessions are gone. "
+                    "Restart the instance: make stop && make serve"
+                )
             return 0 if pid else 1
     except TorchServeError as e:
         print(f"torchserve_ctl {args.command}: {e}", file=sys.stderr)

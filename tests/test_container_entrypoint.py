@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -88,11 +89,14 @@ class Container:
             return None
 
     def worker_ready(self) -> bool:
+        return self.ready_worker_pid() is not None
+
+    def ready_worker_pid(self) -> int | None:
         try:
             workers = requests.get(f"{self.management_url}/models/llava", timeout=10).json()
-            return any(w["status"] == "READY" for w in workers[0]["workers"])
+            return next((w["pid"] for w in workers[0]["workers"] if w["status"] == "READY"), None)
         except (requests.RequestException, ValueError, LookupError):
-            return False
+            return None
 
     def invoke(self, body: dict, session_id: str | None = None, **kwargs) -> requests.Response:
         headers = {SESSION: session_id} if session_id else {}
@@ -192,6 +196,49 @@ def test_model_that_fails_to_load_exits_nonzero_and_never_pings_200(tmp_path):
     assert all(ours != 200 for ours, _, _ in seen)
     assert any(ours == 503 for ours, _, _ in seen)
     assert "worker crash loop" in container.output()
+
+
+def test_a_killed_worker_restarts_torchserve_with_503s_meanwhile_and_the_bound_exits(tmp_path):
+    """Kill the READY worker: the entrypoint restarts the whole TorchServe (0.12's own restart of
+    an async worker never serves again, and traffic during its reload crash-loops it); meanwhile
+    /ping and /invocations are clean 503s, never a hang; the session is gone (400
+    SESSION_NOT_FOUND). The next death within the window exceeds SERVE_MAX_RESTARTS=1: exit 1."""
+    model_dir = lay_out(tmp_path / "opt-ml-model", "mar")
+    container = Container(tmp_path, model_dir, SERVE_MAX_RESTARTS="1")
+    try:
+        assert watch_start(container)[-1][0] == 200, container.output()[-3000:]
+        session = container.invoke({"requestType": "NEW_SESSION"}, "NEW_SESSION").json()
+        old = container.ready_worker_pid()
+        killed_at = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+        while container.ping() == 200:  # until the kernel has ended it
+            assert time.monotonic() - killed_at < 10
+        during = []  # (status, error code) of the requests sent until /ping is 200 again
+        while container.ping() != 200:
+            assert time.monotonic() - killed_at < START_S, container.output()[-3000:]
+            assert container.process.poll() is None, container.output()[-3000:]
+            reply = container.invoke({"requestType": "NEW_SESSION"}, "NEW_SESSION")
+            during.append((reply.status_code, reply.json().get("error", {}).get("code")))
+            time.sleep(0.05)  # steady traffic, not a flood on the two shared cores
+        back_after = time.monotonic() - killed_at
+        print(f"killed worker: /ping 200 again after {back_after:.1f} s, {len(during)} requests")
+        assert during and set(during[:-1]) <= {(503, "NOT_READY")}
+        assert during[-1] in {(503, "NOT_READY"), (200, None)}  # the last may find it READY
+
+        new = container.ready_worker_pid()
+        assert new not in (None, old)
+        lost = container.invoke({"requestType": "SESSION", "inputs": "hi"}, session["sessionId"])
+        assert lost.status_code == 400 and lost.json()["error"]["code"] == "SESSION_NOT_FOUND"
+        assert container.invoke({"requestType": "NEW_SESSION"}, "NEW_SESSION").status_code == 200
+        assert container.ready_worker_pid() == new  # no crash loop after the restart
+        assert container.output().count("restarting TorchServe") == 1
+
+        os.kill(new, signal.SIGKILL)  # the second death in the window: past the bound
+        assert container.process.wait(60) == 1
+        assert "worker deaths within 600 s (limit 1 restarts), giving up" in container.output()
+    finally:
+        if container.process.poll() is None:
+            container.kill()
 
 
 @pytest.mark.parametrize(

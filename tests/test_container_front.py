@@ -37,6 +37,7 @@ class Upstream(ThreadingHTTPServer):
         self.first_chunk_seen = threading.Event()
         self.cancels: list[str] = []
         self.cancelled = threading.Event()
+        self.requests_seen = 0  # plain (echoed) requests
         super().__init__(("127.0.0.1", 0), _UpstreamHandler)
 
 
@@ -57,6 +58,7 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
             self.end_headers()
             getattr(self, "_" + self.path[1:].replace("-", "_"))()
             return
+        self.server.requests_seen += 1
         echo = json.dumps(
             {"path": self.path, "body": body.decode(), "session": self.headers["X-Session"]}
         ).encode()
@@ -107,7 +109,7 @@ def upstream():
 
 @pytest.fixture
 def readiness():
-    return {"ready": False}
+    return {"ready": True}
 
 
 @pytest.fixture
@@ -121,11 +123,27 @@ def front(upstream, readiness):
 
 
 def test_ping_follows_readiness(front, readiness):
+    readiness["ready"] = False  # TorchServe starting
     assert requests.get(f"{front}/ping", timeout=WAIT_S).status_code == 503
     readiness["ready"] = True
     assert requests.get(f"{front}/ping", timeout=WAIT_S).status_code == 200
     readiness["ready"] = False  # a worker that died and is being restarted
     assert requests.get(f"{front}/ping", timeout=WAIT_S).json() == {"status": "NOT_READY"}
+
+
+def test_requests_while_not_ready_get_a_json_503_and_never_reach_the_upstream(
+    front, upstream, readiness
+):
+    """A request reaching a reloading async worker would crash-loop it (scripts/supervisor.py)."""
+    readiness["ready"] = False
+    for body in (b"{}", b'{"requestType": "NEW_SESSION"}'):
+        reply = requests.post(f"{front}/invocations", data=body, timeout=WAIT_S)
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == "NOT_READY"
+    assert upstream.requests_seen == 0
+    readiness["ready"] = True
+    assert requests.post(f"{front}/invocations", data=b"{}", timeout=WAIT_S).status_code == 200
+    assert upstream.requests_seen == 1
 
 
 @pytest.mark.parametrize("path", ["/invocations", "/teapot"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 
 import psutil
 import pytest
@@ -195,8 +196,9 @@ def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, c
 
     A. instance-0 dies altogether: the endpoint forgets its sessions (ValidationError);
        instance-1's sessions go on as if nothing happened.
-    B. then instance-1's worker dies: TorchServe restarts it empty, so ids reach a container
-       that does not know them: ModelError with the container's 400 SESSION_NOT_FOUND.
+    B. then instance-1's worker dies: the endpoint's supervisor restarts the instance empty
+       (scripts/supervisor.py), so ids reach a container that does not know them: ModelError
+       with the container's 400 SESSION_NOT_FOUND.
     """
     truths = [images.samples[i % 3] for i in range(4)]
     chats = [client.open(images.url(i % 3)) for i in range(4)]
@@ -227,8 +229,13 @@ def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, c
 
     # B. instance-1's worker dies and comes back empty
     ts1 = endpoint.instances_started[1]
-    kill([psutil.Process(ts1.worker_pid())])
-    ts1.wait_ready(timeout=120)
+    old = ts1.worker_pid()
+    kill([psutil.Process(old)])
+    deadline = time.monotonic() + 120
+    while ts1.worker_pid() in (None, old):  # None while the whole instance restarts
+        assert time.monotonic() < deadline, endpoint.log.read_text()[-3000:]
+        time.sleep(0.2)
+    assert f"instance-1: supervisor: worker {old} died" in endpoint.log.read_text()
     with pytest.raises(ClientError) as raised:
         ask_raw(rt, chats[0].id, "Say that again.")
     error = raised.value.response
