@@ -3,7 +3,7 @@
 A session's KV is a block table into that tensor plus a length, so the bytes a session holds
 are exactly blocks * bytes_per_block, and the allocator's view never moves after start-up: a
 turn that needs more than the free blocks gets ``KVPoolFull`` (the caller demotes or refuses)
-instead of an out-of-memory error mid-forward (docs/design-kvrunner.md §KV pool).
+instead of an out-of-memory error mid-forward (docs/design.md §KV pool).
 """
 
 from __future__ import annotations

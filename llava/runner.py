@@ -5,7 +5,7 @@ into one [tokens, hidden] matrix with no padding, so each layer's projections an
 one batched matmul; only attention runs per sequence, over that sequence's own blocks (read
 in place when they are adjacent, gathered otherwise). The layers' own modules do the maths,
 so the weights, norms and rotary embedding are the checkpoint's
-(docs/design-kvrunner.md §Step runner).
+(docs/design.md §Step runner).
 """
 
 from __future__ import annotations

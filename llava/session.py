@@ -4,7 +4,7 @@ Hot to cold: ``KV`` (blocks of the engine's KV pool + image features + token his
 prefills only its new tokens) → ``FEATURES`` (blocks given back: the next turn re-prefills the
 history, but never re-runs the vision tower) → gone (removed from the store). KV bytes are the
 pool blocks the session holds (``SessionKV.nbytes``), so the store's totals are memory the
-pool really handed out, not an estimate (docs/design-sched.md §Memory policy).
+pool really handed out, not an estimate (docs/design.md §Memory policy).
 """
 
 from __future__ import annotations

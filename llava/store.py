@@ -10,7 +10,7 @@ Policy, in bytes counted from the sessions' tensors:
 - A session whose own features and tokens exceed the budget is refused (NoCapacity).
 - KV lives in the engine's pool (llava.kv_pool): a turn short of blocks demotes the least
   recently used idle sessions until it fits (``reserve``); if even demoting every idle
-  session could not make room it gets Busy and nobody is demoted (docs/design-sched.md
+  session could not make room it gets Busy and nobody is demoted (docs/design.md
   §Memory policy). Every pool change happens under the store's lock.
 - Turns of one session are serialized by its lock; sessions in a turn are never demoted,
   evicted or expired underneath it.

@@ -5,7 +5,7 @@ ids to the steps the scheduler plans, and ends by committing (``finish``) or by 
 (``fail``); either way its caller's future is resolved exactly once. A turn commits exactly
 as a turn alone did: canonical prompt, cache reuse by common prefix, no end token in the
 history, and a failure demotes its session but leaves its history
-(docs/design.md §Canonical prompt; docs/design-sched.md §Engine loop).
+(docs/design.md §Canonical prompt; docs/design.md §Engine loop).
 """
 
 from __future__ import annotations

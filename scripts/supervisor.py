@@ -3,7 +3,7 @@
 Why the whole instance: in TorchServe 0.12 async mode a restarted worker never becomes READY on
 the management API, a request that reaches it while it reloads crash-loops it ("Received more
 than 1 control command"), and scaling the model 0 -> 1 races with the dead worker's own
-scheduled retry (docs/design-asyncw.md §Worker restarts). The worker's sessions die with it
+scheduled retry (docs/design.md §Worker restarts). The worker's sessions die with it
 anyway, so a fresh TorchServe loses nothing more and carries no stale Java state.
 
 ``ready()`` is what fronts ask before forwarding anything: True only while the worker that

@@ -1,6 +1,6 @@
 """KV memory under the engine's policy (demo model): accounted bytes are the pool's blocks,
 sessions come and go with no growth, and pressure demotes idle sessions before it refuses
-(docs/design-sched.md §Memory policy)."""
+(docs/design.md §Memory policy)."""
 
 from __future__ import annotations
 
