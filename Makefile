@@ -58,6 +58,7 @@ bench: demo-mar
 	$(PY) scripts/bench_sessions.py
 	$(PY) scripts/bench_endpoint.py
 	$(PY) scripts/bench_front.py
+	$(PY) scripts/bench_runner.py --threads 1
 	$(PY) scripts/bench_concurrency.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
