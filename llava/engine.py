@@ -19,6 +19,7 @@ from PIL import Image
 from llava.config import EngineConfig
 from llava.errors import InvalidRequest
 from llava.generation import GenerationParams
+from llava.imageprep import prepare_image
 from llava.kv_pool import KVPool
 from llava.logits_mask import banned_token_ids
 from llava.loop import EngineLoop
@@ -148,7 +149,9 @@ class Engine:
     # -- helpers ---------------------------------------------------------------------------
     def _pixels(self, image: Image.Image) -> torch.Tensor:
         """The processor's preprocessing: runs in the caller's thread, off the loop."""
-        return self.loaded.processor.image_processor(images=image, return_tensors="pt").pixel_values
+        image_processor = self.loaded.processor.image_processor
+        image = prepare_image(image, self.loaded.image_aspect_ratio, image_processor)
+        return image_processor(images=image, return_tensors="pt").pixel_values
 
     @torch.inference_mode()
     def _image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+from llava.imageprep import image_aspect_ratio
 from llava.prompt import ChatPrompt
 
 
@@ -24,6 +25,7 @@ class LoadedModel:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     max_positions: int
+    image_aspect_ratio: str | None = None  # "pad": keep the whole image (llava/imageprep.py)
 
     @property
     def tokenizer(self):
@@ -92,4 +94,5 @@ def load_model(
         dtype=torch_dtype,
         eos_token_ids=_eos_ids(model, processor.tokenizer),
         max_positions=model.config.text_config.max_position_embeddings,
+        image_aspect_ratio=image_aspect_ratio(model.config),
     )

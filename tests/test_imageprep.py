@@ -1,0 +1,63 @@
+"""Pad-to-square (LLaVA-1.5's image_aspect_ratio=pad): on where the checkpoint asks, else off."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from llava.config import EngineConfig, SettingsError
+from llava.engine import Engine
+from llava.imageprep import PAD, image_aspect_ratio, mean_fill, pad_to_square, prepare_image
+from llava.store import SessionStore
+
+
+def wide_orange_circle() -> Image.Image:
+    """640x240, light grey, an orange circle touching the right edge: centre-cropped away."""
+    image = Image.new("RGB", (640, 240), (235, 235, 235))
+    ImageDraw.Draw(image).ellipse((540, 70, 636, 166), fill=(255, 140, 0))
+    return image
+
+
+def test_pad_centres_the_image_on_a_square_of_the_fill_colour():
+    image = Image.new("RGB", (6, 2), (200, 10, 10))
+    square = pad_to_square(image, (1, 2, 3))
+    assert square.size == (6, 6)
+    assert square.getpixel((0, 0)) == square.getpixel((5, 5)) == (1, 2, 3)
+    assert square.crop((0, 2, 6, 4)).tobytes() == image.tobytes()  # rows 2-3: the image
+    tall = pad_to_square(Image.new("RGB", (1, 3), (9, 9, 9)), (0, 0, 0))
+    assert [tall.getpixel((x, 1)) for x in range(3)] == [(0, 0, 0), (9, 9, 9), (0, 0, 0)]
+
+
+def test_square_images_and_checkpoints_without_the_key_are_left_alone(demo_model):
+    processor = demo_model.processor.image_processor
+    square = Image.new("RGB", (50, 50))
+    assert prepare_image(square, PAD, processor) is square
+    wide = wide_orange_circle()
+    assert prepare_image(wide, None, processor) is wide
+    assert image_aspect_ratio(object()) is None  # no key: the processor's own behaviour
+    assert demo_model.image_aspect_ratio is None  # the committed demo model has none
+
+
+def test_an_unknown_mode_is_a_one_line_settings_error_at_load():
+    config = type("Config", (), {"image_aspect_ratio": "anyres"})()
+    with pytest.raises(SettingsError, match="image_aspect_ratio: 'anyres'") as raised:
+        image_aspect_ratio(config)
+    assert "\n" not in str(raised.value)
+
+
+def test_the_whole_image_reaches_the_vision_tower_only_when_the_checkpoint_says_pad(demo_model):
+    wide = wide_orange_circle()
+    image_processor = demo_model.processor.image_processor
+    padded = pad_to_square(wide, mean_fill(image_processor))
+    assert padded.size == (640, 640) and padded.getpixel((588, 318)) == (255, 140, 0)
+    for mode, seen in ((PAD, padded), (None, wide)):  # None: as llava-hf checkpoints
+        loaded = dataclasses.replace(demo_model, image_aspect_ratio=mode)
+        engine = Engine(loaded, SessionStore(budget_bytes=1 << 24), EngineConfig(model_dir="-"))
+        try:
+            expected = image_processor(images=seen, return_tensors="pt").pixel_values
+            assert torch.equal(engine._pixels(wide), expected)
+        finally:
+            engine.stop()
