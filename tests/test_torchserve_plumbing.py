@@ -20,13 +20,16 @@ pytestmark = pytest.mark.torchserve
 
 # Answers with where the worker found llava and its weights: proves the .mar is self-contained.
 # A class with an async handle, as model-config.yaml's async mode needs (handlers/llava_handler.py).
+# Its load takes a moment, as a real one does: a LOAD reply that reaches 0.12's async frontend
+# before the latch it counts down exists kills the worker (NullPointerException on `latch`,
+# seen once in CI with an instant load; docs/design.md §Failed loads in async mode).
 PROBE_HANDLER = """
-import json, os
+import json, os, time
 import llava.errors
 
 class Probe:
     def initialize(self, context):
-        pass
+        time.sleep(0.5)
 
     async def handle(self, data, context):
         base = context.system_properties["model_dir"]
