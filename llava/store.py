@@ -209,7 +209,7 @@ class SessionStore:
                 pass
             pool = kv.pool
             needed = pool.blocks_needed(kv, extra_tokens)
-            if needed + kv.nbytes // pool.bytes_per_block > pool.total_blocks:
+            if needed + len(kv.blocks) > pool.total_blocks:
                 raise NoCapacity(
                     f"this turn needs {kv.length + extra_tokens} tokens of KV, more than the "
                     f"server's whole KV memory holds ({pool.total_blocks * pool.block_tokens}); "
@@ -217,7 +217,7 @@ class SessionStore:
                 )
             idle = [s for s in self._sessions.values() if s.kv is not None and self._idle(s)]
             try:  # their locks are held until the end: none starts a turn meanwhile
-                freeable = sum(s.kv.nbytes for s in idle) // pool.bytes_per_block
+                freeable = sum(len(s.kv.blocks) for s in idle)
                 if needed > pool.free_blocks + freeable:
                     raise Busy(
                         f"the KV memory is full: this turn needs {needed} blocks, "
@@ -245,7 +245,7 @@ class SessionStore:
         """Forget what a failed step wrote past ``length``, keeping the blocks reserved."""
         with self._lock:
             if kv.length > length:
-                spare = kv.nbytes // kv.pool.bytes_per_block * kv.pool.block_tokens - length
+                spare = kv.capacity - length
                 kv.crop(length)
                 kv.reserve(spare)  # the blocks the crop just gave back: it cannot fail
 
