@@ -1,7 +1,9 @@
 """The committed demo model: small, loadable like llava-hf, and right on images it never saw.
 
 Accuracy is measured through the engine itself (``llava.demo_eval.evaluate``): the model dir
-loaded through ``llava.model.load_model``, one session per dialogue, greedy decoding.
+loaded through ``llava.model.load_model``, one session per dialogue, greedy decoding. Two
+image sources: held-out seeds of the training generator (every family, non-square canvases
+included) and ``tests/plain_shapes.py``, a drawer that shares no code with that generator.
 """
 
 from __future__ import annotations
@@ -11,21 +13,49 @@ import random
 import pytest
 from PIL import Image
 
-from llava.demo_eval import KINDS, QUESTIONS, DialogueTokens, evaluate
+from llava.demo_eval import (
+    DONT_KNOW,
+    KINDS,
+    OFF_TOPIC_QUESTIONS,
+    QUESTIONS,
+    DialogueTokens,
+    declined,
+    evaluate,
+)
 from llava.prompt import user_message
 from llava.synthetic import (
     COLORS,
+    FAMILIES,
     HELD_OUT_SEED_START,
+    RADIUS,
     SHAPES,
     TRAIN_SEEDS,
+    ShapeSample,
     draw_sample,
     held_out_samples,
     sample_from_seed,
 )
 from tests.conftest import DEMO_MODEL_DIR
+from tests.plain_shapes import plain_images
 
-HELD_OUT_IMAGES = 100
+HELD_OUT_IMAGES = 100  # 20 per family
 MIN_ACCURACY = 0.95
+# Never trained on (OFF_TOPIC_QUESTIONS are): other words, other phrasings, unknown words.
+HELD_OUT_OFF_TOPIC = (
+    "How large is the shape?",
+    "What is the colour of the background?",
+    "Is there a cat in this picture?",
+    "What number is this?",
+    "Could you describe it?",
+    "Where was this taken?",
+    "How many corners does it have?",
+    "Is it round?",
+    "What do you see?",
+    "Who is the president?",
+    "What are you?",
+    "Shape?",
+)
+MIN_DECLINED = 0.9
 MAX_DIR_BYTES = 8 * 2**20
 
 EXPECTED_FILES = {
@@ -45,11 +75,26 @@ def test_model_dir_holds_only_a_few_megabytes_of_model_files():
     assert sum(files.values()) < MAX_DIR_BYTES
 
 
-def test_held_out_accuracy_per_question_kind(demo_model):
-    accuracy = evaluate(demo_model, held_out_samples(HELD_OUT_IMAGES))
+def assert_accurate(accuracy: dict[str, float]) -> None:
     assert set(accuracy) == set(KINDS)
     below = {kind: value for kind, value in accuracy.items() if value < MIN_ACCURACY}
-    assert not below, f"held-out accuracy below {MIN_ACCURACY:.0%}: {below} (all: {accuracy})"
+    assert not below, f"accuracy below {MIN_ACCURACY:.0%}: {below} (all: {accuracy})"
+
+
+def test_held_out_accuracy_per_question_kind(demo_model):
+    """Every family: muted, white/near-white, dark, textured backgrounds and wide canvases."""
+    assert_accurate(evaluate(demo_model, held_out_samples(HELD_OUT_IMAGES, families=FAMILIES)))
+
+
+def test_accuracy_on_plain_shapes_drawn_by_other_code(demo_model):
+    samples = [ShapeSample(image, shape, color) for image, shape, color in plain_images()]
+    assert_accurate(evaluate(demo_model, samples))
+
+
+def test_questions_it_does_not_know_get_i_dont_know(demo_model):
+    share = declined(demo_model, held_out_samples(len(HELD_OUT_OFF_TOPIC)), HELD_OUT_OFF_TOPIC)
+    assert share >= MIN_DECLINED
+    assert not set(HELD_OUT_OFF_TOPIC) & set(OFF_TOPIC_QUESTIONS)
 
 
 def test_special_ids_agree_between_tokenizer_and_config(demo_model):
@@ -61,10 +106,14 @@ def test_special_ids_agree_between_tokenizer_and_config(demo_model):
     assert ids[0] == tokenizer.bos_token_id and tokenizer.unk_token_id not in ids
 
 
-def test_every_answer_word_is_one_token(demo_model):
+def test_every_answer_is_one_token_of_its_own(demo_model):
     tokenizer = demo_model.tokenizer
-    for word in (*COLORS, *SHAPES):
-        assert len(tokenizer(word, add_special_tokens=False).input_ids) == 1, word
+    answers = (*COLORS, *SHAPES, DONT_KNOW)
+    ids = {answer: tokenizer(answer, add_special_tokens=False).input_ids for answer in answers}
+    assert all(len(found) == 1 for found in ids.values()), ids
+    # Distinct ids that decode back: "I don't know" once shared its id with "cross".
+    assert len({found[0] for found in ids.values()}) == len(answers), ids
+    assert all(tokenizer.decode(found) == answer for answer, found in ids.items())
 
 
 def test_image_expands_to_one_token_per_patch(demo_model):
@@ -90,7 +139,16 @@ def test_training_first_turn_is_the_canonical_prompt(demo_model):
 def test_samples_are_a_function_of_their_seed():
     a, b = sample_from_seed(123), sample_from_seed(123)
     assert (a.shape, a.color, a.image.tobytes()) == (b.shape, b.color, b.image.tobytes())
-    assert draw_sample(random.Random(5)).image.size == (64, 64)
+    assert draw_sample(random.Random(5), "light").family == "light"
+
+
+def test_held_out_set_is_as_broad_as_promised():
+    samples = held_out_samples(300, families=FAMILIES)
+    assert {s.family for s in samples} == set(FAMILIES)
+    sizes = [s.radius for s in samples]
+    assert min(sizes) < 0.2 and max(sizes) > 0.4
+    assert all(RADIUS[0] <= size <= RADIUS[1] for size in sizes)
+    assert all((s.image.width == s.image.height) == (s.family != "wide") for s in samples)
 
 
 def test_held_out_seeds_never_overlap_training_seeds():

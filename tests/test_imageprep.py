@@ -15,9 +15,13 @@ from llava.store import SessionStore
 
 
 def wide_orange_circle() -> Image.Image:
-    """640x240, light grey, an orange circle touching the right edge: centre-cropped away."""
+    """640x240, light grey, an orange circle near the right edge: centre-cropped away.
+
+    Its radius (100 px) is 0.16 of the longer side: padded to a square, that side is the
+    model's, and the demo model knows shapes from 0.15 of it (README, "The demo model").
+    """
     image = Image.new("RGB", (640, 240), (235, 235, 235))
-    ImageDraw.Draw(image).ellipse((540, 70, 636, 166), fill=(255, 140, 0))
+    ImageDraw.Draw(image).ellipse((436, 20, 636, 220), fill=(255, 140, 0))
     return image
 
 
@@ -38,7 +42,6 @@ def test_square_images_and_checkpoints_without_the_key_are_left_alone(demo_model
     wide = wide_orange_circle()
     assert prepare_image(wide, None, processor) is wide
     assert image_aspect_ratio(object()) is None  # no key: the processor's own behaviour
-    assert demo_model.image_aspect_ratio is None  # the committed demo model has none
 
 
 def test_an_unknown_mode_is_a_one_line_settings_error_at_load():
@@ -61,3 +64,15 @@ def test_the_whole_image_reaches_the_vision_tower_only_when_the_checkpoint_says_
             assert torch.equal(engine._pixels(wide), expected)
         finally:
             engine.stop()
+
+
+def test_the_demo_model_pads_and_answers_about_the_whole_wide_image(demo_model):
+    """The issue's example: centre-cropped, the circle was cut away and "blue" came back."""
+    assert demo_model.image_aspect_ratio == PAD  # stored in its config.json
+    engine = Engine(demo_model, SessionStore(budget_bytes=1 << 24), EngineConfig(model_dir="-"))
+    try:
+        session_id = engine.open(wide_orange_circle()).session_id
+        assert engine.ask(session_id, "What shape is it?").text == "circle"
+        assert engine.ask(session_id, "And its color?").text == "orange"
+    finally:
+        engine.stop()
