@@ -9,7 +9,7 @@ image processor, a ``LlavaProcessor`` with the llava-1.5 chat template, and a
 The directory loads with ``AutoProcessor.from_pretrained`` and
 ``LlavaForConditionalGeneration.from_pretrained``, the calls that load ``llava-hf/llava-1.5-7b-hf``.
 
-``demo`` trains a 0.6 M-parameter model on synthetic shapes (``llava.synthetic``, training seeds
+``demo`` trains a 0.5 M-parameter model on synthetic shapes (``llava.synthetic``, training seeds
 0..19_999, every family) to answer "What color is the shape?", "What shape is it?",
 "And its color?", "And its shape?" and "Say that again." in multi-turn chats, and "I don't
 know" to anything else, on token sequences built exactly as the engine builds them
@@ -467,7 +467,7 @@ def off_topic_question(rng: random.Random) -> str:
 
 def sample_dialogue(rng: random.Random, sample: ShapeSample) -> list[tuple[str, str]]:
     """1-6 (question, answer) turns; follow-ups mostly where the previous answer makes sense."""
-    # Many turns per image: the 144 image tokens cost the same for one answer or six.
+    # Many turns per image: the 64 image tokens cost the same for one answer or six.
     turns = rng.choices((1, 2, 3, 4, 5, 6), weights=(1, 2, 3, 4, 4, 4))[0]
     dialogue: list[tuple[str, str]] = []
     answer = None
