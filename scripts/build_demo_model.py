@@ -382,11 +382,14 @@ def mirror(tensor: torch.Tensor, flip: bool) -> torch.Tensor:
     return tensor.flip(-1) if flip else tensor
 
 
-def corner_map(sample: ShapeSample, grid: int, padded: bool) -> torch.Tensor:
-    """(2, grid, grid): 1 where a patch holds a convex (0) or concave (1) vertex of the outline."""
+def corner_map(sample: ShapeSample, grid: int) -> torch.Tensor:
+    """(2, grid, grid): 1 where a patch holds a convex (0) or concave (1) vertex of the outline.
+
+    Positions are on the image padded to a square, as training feeds it.
+    """
     width, height = sample.image.size
-    side = max(width, height) if padded else min(width, height)
-    left, top = (side - width) / 2, (side - height) / 2  # negative: centre-cropped away
+    side = max(width, height)
+    left, top = (side - width) / 2, (side - height) / 2
     found = torch.zeros(2, grid, grid)
     for x, y, convex in sample.corners:
         column, row = int((x * width + left) / side * grid), int((y * height + top) / side * grid)
@@ -401,7 +404,6 @@ class TrainingImages:
     def __init__(self, processor: LlavaProcessor, shape: Shape):
         side = shape.image_size
         image_processor = processor.image_processor
-        mode = PAD if shape.pad_to_square else None
         grid = side // shape.patch_size
         start = time.perf_counter()
         # Drawing is PIL work, seed by seed: spread it over one process per thread.
@@ -412,12 +414,11 @@ class TrainingImages:
         self.samples: list[ShapeSample] = [sample for sample, _ in drawn]
         images, masks, corners = [], [], []
         for sample, mask in drawn:
-            images.append(prepare_image(sample.image, mode, image_processor))
+            images.append(prepare_image(sample.image, PAD, image_processor))
             # Coverage of each model pixel, through the same padding as the image.
-            square = pad_to_square(mask, 0) if mode == PAD else mask
-            square = square.resize((side, side), Image.Resampling.BOX)
+            square = pad_to_square(mask, 0).resize((side, side), Image.Resampling.BOX)
             masks.append(torch.frombuffer(bytearray(square.tobytes()), dtype=torch.uint8))
-            corners.append(corner_map(sample, grid, mode == PAD))
+            corners.append(corner_map(sample, grid))
         pixels = [
             image_processor(images[i : i + 500], return_tensors="pt").pixel_values
             for i in range(0, len(images), 500)
@@ -578,6 +579,9 @@ def optimize(parameters, lr: float, steps: int, step_loss, label: str) -> None:
 
 
 def train(model, processor: LlavaProcessor, shape: Shape, seed: int) -> None:
+    # Every training image is padded to a square (its targets too): the saved model must ask
+    # for the same, or serving would centre-crop what training saw whole.
+    assert shape.pad_to_square, "a trained config needs pad_to_square=True"
     started, cpu = time.perf_counter(), time.process_time()
     images = TrainingImages(processor, shape)
     print(
@@ -604,21 +608,20 @@ def train(model, processor: LlavaProcessor, shape: Shape, seed: int) -> None:
         for family in FAMILIES
         for sample in held_out_samples(40, HELD_OUT_SEED_START + 500_000, (family,))
     ]
-    mode = PAD if shape.pad_to_square else None
-    held_out = [prepare_image(s.image, mode, processor.image_processor) for s in probe]
+    held_out = [prepare_image(s.image, PAD, processor.image_processor) for s in probe]
     pixels = processor.image_processor(held_out, return_tensors="pt").pixel_values
     truth = torch.tensor([SHAPES.index(s.shape) for s in probe])
     print(f"vision probe: shape {heads.shape_accuracy(tower, pixels, truth):.1%} held-out")
 
     heads.remove()
     # Stage 2 trains the projector and the LM; the tower stays as stage 1 left it, as LLaVA-1.5
-    # keeps CLIP frozen (measured: no worse than training it too, and a third cheaper).
+    # keeps CLIP frozen (measured: no worse than training it too, and a quarter cheaper).
     tower.requires_grad_(False)
     dialogues = Dialogues(processor, images.samples[0].image)
 
     def chat_loss() -> torch.Tensor:
         index = seeds.take(shape.chat_batch)
-        pixels, _ = images.batch(index, rng.random() < 0.5)
+        pixels = mirror(images.pixels[index], rng.random() < 0.5)
         input_ids, labels, mask = dialogues.batch(rng, [images.samples[i] for i in index])
         logits = model(input_ids=input_ids, attention_mask=mask, pixel_values=pixels).logits
         return torch.nn.functional.cross_entropy(
