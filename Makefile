@@ -1,4 +1,4 @@
-# The public interface: test, demo, serve, stop, mar, bench, notebook, endpoint (names and
+# The public interface: test, demo, serve, stop, mar, bench, notebook, endpoint, capacity (names and
 # meaning stay stable).
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +17,8 @@ ENDPOINT_INSTANCES ?= 2
 ENDPOINT_PORT ?= 8090
 ENDPOINT_DIR ?= .run/endpoint
 
-.PHONY: setup test lint demo bench build-demo-model mar demo-mar serve stop endpoint notebook clean
+.PHONY: setup test lint demo bench build-demo-model mar demo-mar serve stop endpoint notebook \
+	capacity clean
 
 # CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
 # fresh checkout (or after `rm -rf .venv`) installs that build of torch 2.13.0 instead.
@@ -94,6 +95,13 @@ endpoint: mar
 # `make endpoint` and `make stop` itself, on ENDPOINT_PORT).
 notebook: setup
 	$(PY) scripts/run_notebook.py --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
+
+# Sessions per instance at each memory tier, by arithmetic from the engine's own accounting
+# (python -m llava.capacity --help). Reads the config and tokenizer only: no weights needed.
+CAPACITY_MODEL_DIR ?= $(or $(MODEL_DIR),tests/fixtures/llava-1.5-7b-hf)
+CAPACITY_FLAGS ?=
+capacity: setup
+	$(PY) -m llava.capacity --model-dir $(CAPACITY_MODEL_DIR) $(CAPACITY_FLAGS)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

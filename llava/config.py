@@ -154,6 +154,35 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return overrides
 
 
+# Variables of the seed documents' containers, read where their meaning is plain:
+# name → (setting, factor to the setting's unit, the name's unit) (docs/design.md §Configuration).
+SEED_NAMES: dict[str, tuple[str, float, str]] = {"SES_TTL_MIN": ("session_ttl_s", 60, "minutes")}
+
+
+def seed_overrides(environ: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
+    """setting → (variable, value) from the seeds' names; a name that disagrees with our own
+    ``LLAVA_*`` variable for the same setting fails in one line (which one wins is not a guess)."""
+    found: dict[str, tuple[str, Any]] = {}
+    for name, (setting, factor, unit) in SEED_NAMES.items():
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw) * factor
+        except ValueError:
+            raise SettingsError(setting, f"{raw!r} is not a number of {unit}", name) from None
+        ours = env_name(setting)
+        if ours in environ and env_overrides({ours: environ[ours]}).get(setting) != value:
+            raise SettingsError(
+                setting,
+                f"{name}={raw} ({unit}, {value:g} s) conflicts with {ours}={environ[ours]}; "
+                "set only one",
+                name,
+            )
+        found[setting] = (name, value)
+    return found
+
+
 def unknown_env_names(environ: Mapping[str, str]) -> list[str]:
     """``LLAVA_*`` variables that name no setting (a misspelt one would be silently ignored)."""
     known = {env_name(f.name) for f in dataclasses.fields(EngineConfig)}
@@ -175,6 +204,7 @@ def load_config(
     """The config a worker serves with: archived settings, overridden by the environment.
 
     A relative ``model_dir`` names a folder under ``base_dir`` (inside the extracted .mar).
+    The seeds' names (``SES_TTL_MIN``, :data:`SEED_NAMES`) count as environment settings.
     Raises :class:`SettingsError` naming the variable (``LLAVA_SESSION_TTL_S``) or the
     archived key (``model-config.yaml handler.session_ttl_s``) that holds the bad value.
     Unknown ``LLAVA_*`` names are logged as warnings.
@@ -183,7 +213,9 @@ def load_config(
         logger.warning("ignoring %s: no such setting (settings are LLAVA_<FIELD>)", name)
     if not isinstance(archived, Mapping):
         raise SettingsError("handler", f"must be a mapping, got {archived!r}", ARCHIVED[:-1])
-    overrides = env_overrides(environ)
+    seeds = seed_overrides(environ)
+    overrides = {setting: value for setting, (_name, value) in seeds.items()}
+    overrides |= env_overrides(environ)
     settings = merge_settings(archived, overrides)
     model_dir = settings.get("model_dir", ".")
     if isinstance(model_dir, str):
@@ -191,5 +223,9 @@ def load_config(
     try:
         return EngineConfig.from_mapping(settings)
     except SettingsError as e:
-        source = env_name(e.setting) if e.setting in overrides else ARCHIVED + e.setting
+        if e.setting in overrides:
+            ours = env_name(e.setting)
+            source = seeds[e.setting][0] if e.setting in seeds and ours not in environ else ours
+        else:
+            source = ARCHIVED + e.setting
         raise e.from_source(source) from None

@@ -83,3 +83,28 @@ def test_unknown_llava_variables_are_warned_about(caplog):
         load_config({}, {"LLAVA_SESION_TTL_S": "5", "LLAVA_DEVICE": "cpu", "HOME": "/"}, BASE)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "LLAVA_SESION_TTL_S" in warnings[0]
+
+
+def test_the_seeds_ttl_in_minutes_sets_the_ttl_in_seconds():
+    assert load_config({}, {"SES_TTL_MIN": "10"}, BASE).session_ttl_s == 600
+    # ours wins over the archived value the same way; agreeing with LLAVA_SESSION_TTL_S is fine
+    both = {"SES_TTL_MIN": "2", "LLAVA_SESSION_TTL_S": "120"}
+    assert load_config({"session_ttl_s": 5}, both, BASE).session_ttl_s == 120
+
+
+@pytest.mark.parametrize(
+    ("environ", "says"),
+    [
+        (
+            {"SES_TTL_MIN": "10", "LLAVA_SESSION_TTL_S": "300"},
+            "bad setting SES_TTL_MIN: SES_TTL_MIN=10 (minutes, 600 s) conflicts with "
+            "LLAVA_SESSION_TTL_S=300; set only one",
+        ),
+        ({"SES_TTL_MIN": "ten"}, "bad setting SES_TTL_MIN: 'ten' is not a number of minutes"),
+        ({"SES_TTL_MIN": "-1"}, "bad setting SES_TTL_MIN: -60.0 is not a number of seconds > 0"),
+    ],
+)
+def test_a_bad_or_conflicting_seed_name_fails_in_one_line(environ, says):
+    with pytest.raises(SettingsError) as failure:
+        load_config({}, environ, BASE)
+    assert str(failure.value) == says

@@ -249,6 +249,7 @@ def test_a_killed_worker_restarts_torchserve_with_503s_meanwhile_and_the_bound_e
         ("dangling-reference", {}, "references weights at"),
         ("mar", {"LLAVA_SESION_TTL_S": "5"}, "unknown setting LLAVA_SESION_TTL_S"),
         ("mar", {"LLAVA_SESSION_TTL_S": "abc"}, "bad setting LLAVA_SESSION_TTL_S"),
+        ("mar", {"SES_TTL_MIN": "10", "LLAVA_SESSION_TTL_S": "300"}, "conflicts with LLAVA_"),
         ("mar", {"SERVE_PORT": "http"}, "bad SERVE_* setting"),
     ],
 )
