@@ -22,9 +22,14 @@ class LlavaError(Exception):
     """A failed call. ``code`` is the container's error code (e.g. ``IMAGE_TOO_LARGE``) or
     SageMaker's (e.g. ``ValidationError``); ``status`` the container's HTTP status, if any."""
 
-    def __init__(self, code: str, message: str, status: int | None = None):
+    def __init__(
+        self, code: str, message: str, status: int | None = None, retry_after_s: float | None = None
+    ):
         super().__init__(f"{code}: {message}" + (f" (HTTP {status})" if status else ""))
         self.code, self.message, self.status = code, message, status
+        # A 503 that says when to come back (Retry-After, or the body's retryAfterS): the
+        # request was refused before anything happened, so sending it again is safe.
+        self.retry_after_s = retry_after_s
 
 
 class SessionGone(LlavaError):
@@ -38,13 +43,19 @@ def from_client_error(err: ClientError, with_session: bool) -> LlavaError:
     message = response.get("Error", {}).get("Message", str(err))
     if aws_code == "ModelError":
         status = response.get("OriginalStatusCode")
-        code, message = _container_error(response.get("OriginalMessage", ""), message)
+        error = _container_error(response.get("OriginalMessage", ""))
+        code = str(error.get("code", "ModelError"))
+        message = str(error.get("message", response.get("OriginalMessage") or message))
         cls = SessionGone if code in SESSION_GONE_CODES else LlavaError
-        return cls(code, message, status)
+        retry_after = _seconds(error.get("retryAfterS")) if status == 503 else None
+        return cls(code, message, status, retry_after)
     # SageMaker's router refuses an id it does not know before any container sees it.
     if aws_code == "ValidationError" and with_session and "session" in message.lower():
         return SessionGone(aws_code, message)
-    return LlavaError(aws_code, message)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    retry_after = _seconds(headers.get("retry-after")) if status == 503 else None
+    return LlavaError(aws_code, message, status if status == 503 else None, retry_after)
 
 
 def from_stream_error(payload: dict) -> LlavaError:
@@ -55,9 +66,19 @@ def from_stream_error(payload: dict) -> LlavaError:
     return cls(code, str(error.get("message", payload)))
 
 
-def _container_error(original: str, fallback: str) -> tuple[str, str]:
+def _container_error(original: str) -> dict:
+    """Our container's ``{"error": {...}}``; {} for another shape (e.g. TorchServe's)."""
     try:
         error = json.loads(original)["error"]
-        return str(error["code"]), str(error["message"])
-    except (ValueError, TypeError, KeyError):  # not our container's shape (e.g. TorchServe's)
-        return "ModelError", original or fallback
+    except (ValueError, TypeError, KeyError):
+        return {}
+    return error if isinstance(error, dict) and "code" in error and "message" in error else {}
+
+
+def _seconds(value) -> float | None:
+    """A Retry-After in seconds (the HTTP-date form is not used by our container)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if 0 <= seconds < float("inf") else None

@@ -6,7 +6,10 @@
         for text in chat.ask_stream("Describe it in detail."):
             print(text, end="")
 
-The session id is the one the endpoint issues (``NewSessionId``). With ``recover=True``
+The session id is the one the endpoint issues (``NewSessionId``), or the caller's own
+(``client.open(image, session_id="ticket-4711")``). A 503 that says when to retry (the
+container's ``KV_MEMORY_FULL``, with ``Retry-After``) is sent again after that wait, with
+jitter, at most ``busy_retries`` times (0: never). With ``recover=True``
 (the default), a session that is gone (its instance was replaced, it expired or was evicted)
 is re-opened on the same image and its questions are asked again in order, so that the next
 ``ask`` continues the conversation; the answers are regenerated (identical under greedy
@@ -18,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,20 +55,44 @@ class Turn:
 
 class LlavaClient:
     """One SageMaker endpoint. ``runtime``: a ready ``sagemaker-runtime`` client, else one is
-    made from ``client_kwargs`` (``region_name``, ``endpoint_url`` for a local endpoint...)."""
+    made from ``client_kwargs`` (``region_name``, ``endpoint_url`` for a local endpoint...).
 
-    def __init__(self, endpoint_name: str, runtime=None, recover: bool = True, **client_kwargs):
+    ``busy_retries``: how many times a call refused with a 503 and a ``Retry-After`` is sent
+    again (0 turns it off); each wait is the server's ``Retry-After``, at most
+    ``max_retry_wait_s``, stretched by up to half again at random so that callers refused
+    together do not all come back at the same instant."""
+
+    def __init__(
+        self,
+        endpoint_name: str,
+        runtime=None,
+        recover: bool = True,
+        busy_retries: int = 3,
+        max_retry_wait_s: float = 10.0,
+        **client_kwargs,
+    ):
+        if busy_retries < 0 or max_retry_wait_s < 0:
+            raise ValueError("busy_retries and max_retry_wait_s must be >= 0")
         self.endpoint_name = endpoint_name
         self.runtime = runtime or boto3.client("sagemaker-runtime", **client_kwargs)
         self.recover = recover
+        self.busy_retries = busy_retries
+        self.max_retry_wait_s = max_retry_wait_s
+        self.busy_retried = 0  # calls sent again after a 503 with Retry-After, in all
 
-    def open(self, image: Any = None) -> Session:
-        """Open a session on ``image`` (URL, ``s3://`` URI, bytes, file path, PIL image, None)."""
+    def open(self, image: Any = None, session_id: str | None = None) -> Session:
+        """Open a session on ``image`` (URL, ``s3://`` URI, bytes, file path, PIL image, None).
+
+        ``session_id``: your own id for it (SageMaker's pattern, at most 256 characters); the
+        server refuses one that is live or was used recently. By default the server picks one.
+        """
         source = image_source(image)
-        return Session(self, *self._open(source), source)
+        return Session(self, *self._open(source, session_id), source)
 
-    def _open(self, source: dict | None) -> tuple[str, str]:
+    def _open(self, source: dict | None, session_id: str | None = None) -> tuple[str, str]:
         body = {"requestType": NEW_SESSION} | ({"image": source} if source else {})
+        if session_id is not None:
+            body["extSessionID"] = session_id
         reply = self._invoke(body, NEW_SESSION)
         announced = reply.get("NewSessionId")
         if not announced:
@@ -74,28 +103,45 @@ class LlavaClient:
         return session_id.strip(), expires.strip().removeprefix("Expires=")
 
     def _invoke(self, body: dict, session_id: str) -> dict:
-        try:
-            return self.runtime.invoke_endpoint(
+        return self._retrying_busy(
+            lambda: self.runtime.invoke_endpoint(
                 EndpointName=self.endpoint_name,
                 SessionId=session_id,
                 ContentType="application/json",
                 Accept="application/json",
                 Body=json.dumps(body),
-            )
-        except ClientError as err:
-            raise from_client_error(err, with_session=session_id != NEW_SESSION) from err
+            ),
+            with_session=session_id != NEW_SESSION,
+        )
 
     def _stream(self, body: dict, session_id: str):
-        try:
-            reply = self.runtime.invoke_endpoint_with_response_stream(
+        reply = self._retrying_busy(
+            lambda: self.runtime.invoke_endpoint_with_response_stream(
                 EndpointName=self.endpoint_name,
                 SessionId=session_id,
                 ContentType="application/json",
                 Body=json.dumps(body),
-            )
-        except ClientError as err:
-            raise from_client_error(err, with_session=True) from err
+            ),
+            with_session=True,
+        )
         return reply["Body"]
+
+    def _retrying_busy(self, call: Callable[[], T], with_session: bool) -> T:
+        """``call()``; a refusal that says when to retry is retried (a stream's too: a busy
+        turn is refused before its first token, docs/design.md §Client)."""
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except ClientError as err:
+                error = from_client_error(err, with_session)
+                if error.retry_after_s is None or attempt == self.busy_retries:
+                    raise error from err
+            attempt += 1
+            self.busy_retried += 1
+            wait = min(error.retry_after_s, self.max_retry_wait_s) * random.uniform(1.0, 1.5)
+            logger.info("%s: retry %d in %.2f s", error.code, attempt, wait)
+            time.sleep(wait)
 
 
 class Session:

@@ -119,3 +119,15 @@ def test_validation_errors_about_a_session_mean_it_is_gone():
     assert not isinstance(from_client_error(unknown, with_session=False), SessionGone)
     other = from_client_error(client_error("ValidationError", 400), with_session=True)
     assert type(other) is LlavaError and other.code == "ValidationError"
+
+
+def test_a_503_says_when_to_retry_from_the_body_or_the_header():
+    busy = json.dumps({"error": {"code": "KV_MEMORY_FULL", "message": "m", "retryAfterS": 1.5}})
+    wrapped = client_error("ModelError", 424, OriginalStatusCode=503, OriginalMessage=busy)
+    assert from_client_error(wrapped, with_session=True).retry_after_s == 1.5
+    direct = client_error("ServiceUnavailable", 503)
+    direct.response["ResponseMetadata"]["HTTPHeaders"] = {"retry-after": "2"}
+    assert from_client_error(direct, with_session=True).retry_after_s == 2.0
+    not_ready = json.dumps({"error": {"code": "NOT_READY", "message": "restarting"}})
+    wrapped = client_error("ModelError", 424, OriginalStatusCode=503, OriginalMessage=not_ready)
+    assert from_client_error(wrapped, with_session=False).retry_after_s is None  # no wait named

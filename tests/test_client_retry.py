@@ -1,0 +1,120 @@
+"""The client honours Retry-After: a container's 503 (KV_MEMORY_FULL, ``Retry-After: 1``) reaches
+real boto3 through the real local endpoint as SageMaker wraps it, and the client sends the call
+again after the wait, a bounded number of times, or not at all when told not to.
+
+The container is a stand-in on loopback that answers from a script: a real one refuses a turn
+only while other turns hold the KV pool, which no test can time (docs/design.md §Client).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import boto3
+import pytest
+
+from llava_client import LlavaClient, LlavaError
+from local_endpoint.router import Backend, Router
+from local_endpoint.server import EndpointServer
+from tests.endpoint_helpers import DUMMY_CREDENTIALS, ENDPOINT
+
+BUSY = (
+    503,
+    {"Retry-After": "1"},
+    {"error": {"code": "KV_MEMORY_FULL", "message": "busy", "retryAfterS": 0.2}},
+)
+OPENED = (
+    200,
+    {"X-Amzn-SageMaker-New-Session-Id": "s-1; Expires=2030-01-01T00:00:00Z"},
+    {"sessionId": "s-1"},
+)
+ANSWERED = (200, {}, {"generation": {"text": "a circle"}, "usage": {}})
+BAD = (413, {}, {"error": {"code": "IMAGE_TOO_LARGE", "message": "too big"}})
+
+
+class ScriptedContainer:
+    """Answers POST /invocations with the next reply of ``script``; counts what it got."""
+
+    def __init__(self):
+        self.script: list[tuple[int, dict, dict]] = []
+        self.calls = 0
+        container = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                container.calls += 1
+                status, headers, body = container.script.pop(0)
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                for name, value in {"Content-Type": "application/json", **headers}.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def container():
+    container = ScriptedContainer()
+    router = Router([Backend("instance-0", container.url, ready=lambda: True)])
+    endpoint = EndpointServer(("127.0.0.1", 0), ENDPOINT, router)
+    threading.Thread(target=endpoint.serve_forever, daemon=True).start()
+    container.endpoint_url = f"http://127.0.0.1:{endpoint.server_address[1]}"
+    yield container
+    endpoint.shutdown()
+    container.httpd.shutdown()
+
+
+def client_for(container, **options) -> LlavaClient:
+    rt = boto3.client("sagemaker-runtime", endpoint_url=container.endpoint_url, **DUMMY_CREDENTIALS)
+    return LlavaClient(ENDPOINT, runtime=rt, **options)
+
+
+def test_a_busy_turn_is_sent_again_after_the_wait_the_server_gave(container):
+    container.script = [OPENED, BUSY, BUSY, ANSWERED]
+    client = client_for(container)
+    chat = client.open()
+    started = time.monotonic()
+    assert chat.ask("What shape?").text == "a circle"
+    waited = time.monotonic() - started
+    assert container.calls == 4 and client.busy_retried == 2
+    assert waited >= 2 * 0.2  # the body's retryAfterS (the exact value), never less
+
+
+def test_retries_are_bounded_and_the_last_refusal_is_raised(container):
+    container.script = [OPENED, BUSY, BUSY, BUSY]
+    client = client_for(container, busy_retries=2)
+    chat = client.open()
+    with pytest.raises(LlavaError) as refused:
+        chat.ask("What shape?")
+    assert (refused.value.code, refused.value.status) == ("KV_MEMORY_FULL", 503)
+    assert refused.value.retry_after_s == 0.2
+    assert container.calls == 4  # the open, then three tries
+
+
+def test_retrying_can_be_turned_off(container):
+    container.script = [OPENED, BUSY]
+    chat = client_for(container, busy_retries=0).open()
+    with pytest.raises(LlavaError, match="KV_MEMORY_FULL"):
+        chat.ask("What shape?")
+    assert container.calls == 2
+
+
+def test_an_error_that_names_no_wait_is_not_retried(container):
+    container.script = [BAD]
+    with pytest.raises(LlavaError, match="IMAGE_TOO_LARGE"):
+        client_for(container).open(b"\x89PNG")
+    assert container.calls == 1
