@@ -7,7 +7,8 @@ Reads the checkpoint's config.json, tokenizer and chat template only (no weights
 built on PyTorch's meta device, so its parameter bytes are exact and nothing is allocated. The
 per-session bytes come from the engine's own accounting: the KV pool's bytes per token and block
 size (llava.kv_pool), a session's features and token history (llava.session), the opening
-prompt (llava.prompt) and the store's budget rule (llava.engine): see docs/design.md §Capacity.
+prompt (llava.prompt) and the store's budget rule (llava.engine)
+(docs/design.md §Capacity by arithmetic).
 Kept thin on purpose: each number is one call into the code that does the accounting.
 """
 
@@ -243,7 +244,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--model-dir", required=True, help="a llava-hf checkpoint directory")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--instance", choices=sorted(INSTANCES), help="default: every listed one")
+    where.add_argument(
+        "--instance",
+        action="append",
+        choices=sorted(INSTANCES),
+        help="repeatable; default: every listed one",
+    )
     where.add_argument("--gpu-memory", type=parse_size, help="one GPU of this size, e.g. 24GiB")
     parser.add_argument(
         "--host-memory",
@@ -257,7 +263,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype",
         choices=("float16", "bfloat16", "float32"),
         default="float16",
-        help="what the engine's dtype=auto picks on a GPU",
+        help="2 bytes for float16 and bfloat16 (what dtype=auto picks on a GPU)",
     )
     parser.add_argument(
         "--host-fraction",
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu_memory:
         rows = {"(given)": Instance(1, args.gpu_memory, args.host_memory, "--gpu-memory")}
     elif args.instance:
-        rows = {args.instance: INSTANCES[args.instance]}
+        rows = {name: INSTANCES[name] for name in args.instance}
     else:
         rows = INSTANCES
     checkpoint = load_checkpoint(args.model_dir, getattr(torch, args.dtype))

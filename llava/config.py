@@ -155,7 +155,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 # Variables of the seed documents' containers, read where their meaning is plain:
-# name → (setting, factor to the setting's unit, the name's unit) (docs/design.md §Configuration).
+# name → (setting, factor to the setting's unit, the name's unit) (docs/design.md §Settings).
 SEED_NAMES: dict[str, tuple[str, float, str]] = {"SES_TTL_MIN": ("session_ttl_s", 60, "minutes")}
 
 

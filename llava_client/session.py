@@ -128,7 +128,7 @@ class LlavaClient:
 
     def _retrying_busy(self, call: Callable[[], T], with_session: bool) -> T:
         """``call()``; a refusal that says when to retry is retried (a stream's too: a busy
-        turn is refused before its first token, docs/design.md §Client)."""
+        turn is refused before its first token, docs/design.md §Client retries on 503)."""
         attempt = 0
         while True:
             try:

@@ -3,7 +3,8 @@ real boto3 through the real local endpoint as SageMaker wraps it, and the client
 again after the wait, a bounded number of times, or not at all when told not to.
 
 The container is a stand-in on loopback that answers from a script: a real one refuses a turn
-only while other turns hold the KV pool, which no test can time (docs/design.md §Client).
+only while other turns hold the KV pool, which no test can time
+(docs/design.md §Client retries on 503).
 """
 
 from __future__ import annotations
