@@ -7,8 +7,8 @@ import torch
 
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava.memory import Tier
 from llava.model import assigned_device
-from llava.session import Tier
 from tests.conftest import DEMO_MODEL_DIR
 from tests.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
 
@@ -45,4 +45,4 @@ def test_worker_loads_on_its_assigned_gpu_and_sizes_its_budget_there():
     assert device == torch.device("cuda", gpu_id)
     assert {p.device for p in engine.loaded.model.parameters()} == {device}
     _free, total = torch.cuda.mem_get_info(device)
-    assert 0 < engine.store.budget_bytes <= total * engine.config.session_budget_fraction
+    assert 0 < engine.memory.budget.device_bytes <= total * engine.config.session_budget_fraction

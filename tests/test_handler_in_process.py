@@ -9,7 +9,7 @@ import pytest
 
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.store import SessionStore
+from llava.memory import MemoryBudget
 from llava.synthetic import held_out_samples
 from scripts.handler_harness import InProcessWorker
 from tests.intake_servers import image_bytes
@@ -19,8 +19,8 @@ SESSION = "X-Amzn-SageMaker-Session-Id"
 
 @pytest.fixture
 def worker(demo_model):
-    store = SessionStore(budget_bytes=1 << 30)
-    worker = InProcessWorker(Engine(demo_model, store, EngineConfig(model_dir="-")))
+    engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
+    worker = InProcessWorker(engine)
     yield worker
     worker.stop()
 
@@ -61,15 +61,19 @@ def test_any_body_gets_a_json_answer(worker, body):
     assert set(reply.json()["error"]) == {"code", "message"}
 
 
-def test_an_id_in_use_is_refused_before_any_model_work(worker, monkeypatch):
+def test_an_id_in_use_is_refused_before_any_model_work(worker):
     b64 = base64.b64encode(image_bytes(held_out_samples(1)[0].image)).decode()
     body = {"requestType": "NEW_SESSION", "extSessionID": "conversation-1a2b3c4d"}
     first = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
     assert first.status == 200 and first.json()["sessionId"] == "conversation-1a2b3c4d"
     assert first.headers[SESSION].startswith("conversation-1a2b3c4d; Expires=")
     vision_runs = []
-    monkeypatch.setattr(worker.service.engine, "_image_features", vision_runs.append)
-    again = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
+    tower = worker.service.engine.loaded.model.model.vision_tower
+    hook = tower.register_forward_hook(lambda *_: vision_runs.append(1))
+    try:
+        again = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
+    finally:
+        hook.remove()
     assert again.status == 400 and again.json()["error"]["code"] == "SESSION_ID_IN_USE"
     assert vision_runs == []
 
