@@ -116,7 +116,10 @@ class EngineLoop:
 
     def _iteration(self) -> None:
         if self.scheduler.idle and self.on_idle is not None:
-            self.on_idle()
+            try:
+                self.on_idle()
+            except Exception:  # a debug check: say so loudly, keep serving
+                logger.exception("the engine's idle check failed")
         self._receive(block=self.scheduler.idle)
         self._admit()
         now = self._clock()

@@ -303,6 +303,21 @@ class MemoryManager:
                 kv.crop(length)
                 kv.reserve(spare)  # the blocks the crop just gave back: it cannot fail
 
+    def move_down(self, holding: Holding) -> Tier:
+        """Move an idle holding one rung down now, as pressure would (device KV to host, or
+        dropped if the host has no room; host KV dropped); returns its tier. For operators'
+        tools and benchmarks: the manager moves sessions by itself under pressure."""
+        with self._lock:
+            if holding.pinned or holding.evicted:
+                raise ValueError("only an idle session can be moved")
+            if holding.kv is not None:
+                self._move_kv_off_device(holding)
+            elif holding.host is not None:
+                with self._retiering(holding):
+                    self._drop_host(holding)
+                    self._count(demoted=1)
+            return holding.tier
+
     def drop_kv(self, holding: Holding) -> None:
         """A failed turn's KV (it may hold part of the turn) goes; history and features stay."""
         with self._lock, self._retiering(holding):

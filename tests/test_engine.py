@@ -77,11 +77,7 @@ def test_answer_after_demotion_to_features_is_unchanged(engine, sample):
     for question in CONVERSATION[:3]:
         for session_id in (hot, cold):
             engine.ask(session_id, question, {"max_new_tokens": MAX_NEW})
-    holding = engine.store.session(cold).holding
-    engine.memory.pin(holding)  # as a turn would, to drop its KV by hand
-    engine.memory.drop_kv(holding)
-    engine.memory.unpin(holding)
-    assert engine.store.session(cold).tier is Tier.FEATURES
+    assert engine.memory.move_down(engine.store.session(cold).holding) is Tier.FEATURES
     hot_answer = engine.ask(hot, "What color is the shape?", {"max_new_tokens": MAX_NEW})
     cold_answer = engine.ask(cold, "What color is the shape?", {"max_new_tokens": MAX_NEW})
     assert cold_answer.tier is Tier.FEATURES and cold_answer.cached_tokens == 0

@@ -193,3 +193,16 @@ def test_answers_under_random_pressure_equal_answers_never_moved(demo_model):
     assert {Tier.KV, Tier.HOST, Tier.FEATURES} <= set(tiers), tiers
     assert gone > 0
     tight.check_integrity()
+
+
+def test_a_debug_engine_checks_its_books_whenever_it_goes_idle(demo_model, caplog):
+    config = EngineConfig("-", check_memory_when_idle=True)
+    engine = Engine(demo_model, config, MemoryBudget(1 << 22))
+    session_id = engine.open(held_out_samples(1, seed=78_000)[0].image).session_id
+    engine.ask(session_id, "What color is the shape?", SHORT)
+    assert "idle check failed" not in caplog.text
+    # a block handed back behind the manager's back: the next idle check says so
+    engine.memory.pool.give_back(engine.store.session(session_id).kv.blocks[:1])
+    engine.ask(session_id, "And its shape?", SHORT)
+    engine.loop.call(lambda: None)  # one more pass: the loop went idle after the turn
+    assert "idle check failed" in caplog.text and "owned and free" in caplog.text

@@ -112,3 +112,33 @@ def test_a_cancelled_turn_stops_at_the_next_step_and_is_kept(worker, monkeypatch
     assert worker.service.turns.cancel(session_id) == 0  # nothing left in flight
     reply = worker.invoke({"requestType": "CANCEL_TURN"}, {SESSION: session_id})
     assert reply.json() == {"sessionId": session_id, "cancelledTurns": 0}
+
+
+def test_usage_tier_says_where_the_turn_found_the_sessions_memory(demo_model):
+    """kv (device), host (copied back), features (re-prefilled); gone is a 400."""
+    block = 36_864  # the demo model's KV block: 16 tokens x 3 layers x K, V x 4 x 24 x fp32
+    budget = MemoryBudget(device_bytes=22 * block, host_bytes=6 * block)
+    worker = InProcessWorker(Engine(demo_model, EngineConfig(model_dir="-"), budget))
+    assert worker.service.engine.memory.pool.bytes_per_block == block
+    try:
+        images = [held_out_samples(1, seed=77_000 + n)[0].image for n in range(4)]
+        ids = []
+        for image in images[:3]:
+            b64 = base64.b64encode(image_bytes(image)).decode()
+            ids.append(worker.invoke({"requestType": "NEW_SESSION", "image": {"b64": b64}}))
+        oldest, newer, asking = (reply.json()["sessionId"] for reply in ids)
+
+        def ask(session_id, max_new_tokens=4):
+            body = {"requestType": "SESSION", "inputs": "What color is the shape?"}
+            body["parameters"] = {"max_new_tokens": max_new_tokens}
+            return worker.invoke(body, {SESSION: session_id})
+
+        # 13 more blocks: `oldest` goes to the host, then `newer` too, which drops the older
+        # copy (the host holds one session)
+        assert ask(asking, 200).json()["usage"]["tier"] == "kv"
+        assert ask(oldest).json()["usage"]["tier"] == "features"
+        assert ask(newer).json()["usage"]["tier"] == "host"
+        memory = worker.service.engine.stats().memory
+        assert (memory.moved_to_host, memory.demoted, memory.restored) == (2, 1, 1)
+    finally:
+        worker.stop()
