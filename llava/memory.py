@@ -252,19 +252,18 @@ class MemoryManager:
         pool = self.pool
         with self._lock:
             kv = holding.kv
+            held = kv.length if kv is not None else holding.host.length if holding.host else 0
             if kv is not None:
                 needed = pool.blocks_needed(kv, extra_tokens)
             else:
-                held = 0 if holding.host is None else holding.host.length
                 needed = blocks_for(held + extra_tokens, pool.block_tokens)
             feature_blocks = 0
             if features is not None and not holding.feature_blocks:
                 feature_blocks = blocks_for(features.numel(), pool.block_numel)
             if needed + feature_blocks + holding.device_blocks > pool.total_blocks:
-                tokens = (0 if kv is None else kv.length) + extra_tokens
                 raise NoCapacity(
-                    f"this session needs {tokens} tokens of KV and its image, more than the "
-                    f"server's whole device memory for sessions holds "
+                    f"this session needs {held + extra_tokens} tokens of KV and its image, "
+                    "more than the server's whole device memory for sessions holds "
                     f"({pool.total_blocks * pool.block_tokens} tokens); "
                     "lower max_new_tokens or open a new session"
                 )
