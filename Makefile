@@ -51,8 +51,9 @@ demo: demo-mar
 
 # Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn,
 # the handler's per-request cost against the number of idle sessions held, the local
-# endpoint's hop, what the container's /ping front adds per turn, then many sessions at once
-# (batched turns against one request at a time).
+# endpoint's hop, what the container's /ping front adds per turn, many sessions at once
+# (batched turns against one request at a time), then session memory across tiers (restore
+# from host against recompute, sessions per tier, accounted against actual bytes).
 bench: demo-mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
@@ -61,6 +62,7 @@ bench: demo-mar
 	$(PY) scripts/bench_front.py
 	$(PY) scripts/bench_runner.py --threads 1
 	$(PY) scripts/bench_concurrency.py
+	$(PY) scripts/bench_memory.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup

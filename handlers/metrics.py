@@ -1,6 +1,7 @@
 """Session metrics for TorchServe's metrics endpoint (auto-detected: config.properties).
 
-Gauges are set from the store's snapshot after every request and after every reaper sweep
+Gauges (sessions and bytes per tier: kv, host, features; the memory budgets) are set from the
+engine's snapshot after every request and after every reaper sweep
 that freed sessions; counters are emitted as the increase since the previous snapshot, so
 the endpoint's totals match the store's. A worker emits a metric by printing a line that
 TorchServe's frontend parses as it arrives, so the reaper's thread can publish too.
@@ -16,16 +17,17 @@ import threading
 
 from ts.metrics.metric_type_enum import MetricTypes
 
-from llava.engine import Answer
-from llava.store import StoreCounters, StoreStats
+from llava.engine import Answer, EngineStats
 
-# store counter → metric name
+# (registry or memory counters, counter) → metric name
 _COUNTERS = {
-    "opened": "SessionsOpened",
-    "closed": "SessionsClosed",
-    "expired": "SessionsExpired",
-    "demoted": "SessionsDemoted",
-    "evicted": "SessionsEvicted",
+    ("store", "opened"): "SessionsOpened",
+    ("store", "closed"): "SessionsClosed",
+    ("store", "expired"): "SessionsExpired",
+    ("memory", "moved_to_host"): "SessionsMovedToHost",
+    ("memory", "restored"): "SessionsRestoredFromHost",
+    ("memory", "demoted"): "SessionsDemoted",
+    ("memory", "evicted"): "SessionsEvicted",
 }
 
 
@@ -38,11 +40,11 @@ class SessionMetrics:
         self._ttft = add("TurnTimeToFirstTokenSeconds", "s", ["Tier"], MetricTypes.HISTOGRAM)
         self._new = add("TurnNewTokens", "count", [], MetricTypes.COUNTER)
         self._cached = add("TurnCachedTokens", "count", [], MetricTypes.COUNTER)
+        self._budget = add("MemoryBudgetBytes", "bytes", ["Memory"], MetricTypes.GAUGE)
         self._counters = {
-            name: add(metric, "count", [], MetricTypes.COUNTER)
-            for name, metric in _COUNTERS.items()
+            key: add(metric, "count", [], MetricTypes.COUNTER) for key, metric in _COUNTERS.items()
         }
-        self._last = StoreCounters()
+        self._last: dict[tuple[str, str], int] = {}
         self._publishing = threading.Lock()  # requests and the reaper's thread both publish
 
     def turn(self, answer: Answer) -> None:
@@ -52,17 +54,25 @@ class SessionMetrics:
         self._new.add_or_update(answer.new_tokens)
         self._cached.add_or_update(answer.cached_tokens)
 
-    def store(self, stats: StoreStats) -> None:
+    def store(self, stats: EngineStats) -> None:
         with self._publishing:
             self._store(stats)
 
-    def _store(self, stats: StoreStats) -> None:
+    def _store(self, stats: EngineStats) -> None:
         for tier, count in stats.sessions_by_tier.items():
             self._open.add_or_update(count, [tier.value])
         for tier, nbytes in stats.bytes_by_tier.items():
             self._bytes.add_or_update(nbytes, [tier.value])
-        for name, metric in self._counters.items():
-            increase = getattr(stats.counters, name) - getattr(self._last, name)
+        budget = stats.budget
+        for memory, nbytes in (
+            ("device", budget.device_bytes),
+            ("headroom", budget.headroom_bytes),
+            ("host", budget.host_bytes),
+        ):
+            self._budget.add_or_update(nbytes, [memory])
+        for key, metric in self._counters.items():
+            value = getattr(getattr(stats, key[0]), key[1])
+            increase = value - self._last.get(key, 0)
             if increase:
                 metric.add_or_update(increase)
-        self._last = stats.counters
+            self._last[key] = value

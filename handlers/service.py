@@ -30,7 +30,7 @@ from handlers.protocol import (
     session_header_value,
 )
 from handlers.turns import TurnsInFlight
-from llava.config import load_config
+from llava.config import SettingsError, load_config, setting_source
 from llava.engine import Answer, Engine
 from llava.intake import IntakePolicy, load_image
 from llava.model import assigned_device
@@ -59,7 +59,10 @@ class LlavaService:
         gpu_id = context.system_properties.get("gpu_id")
         config = dataclasses.replace(config, device=assigned_device(config.device, gpu_id))
         policy = IntakePolicy.from_mapping(config.intake)
-        engine = Engine.from_config(config)
+        try:  # the memory settings are checked against this machine once the model is in
+            engine = Engine.from_config(config)
+        except SettingsError as e:
+            raise e.from_source(setting_source(e.setting, os.environ)) from None
         warm_s = engine.warm_up()
         logger.info(
             "loaded %s on %s (%s); warm-up %.2f s",

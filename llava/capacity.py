@@ -6,8 +6,8 @@
 Reads the checkpoint's config.json, tokenizer and chat template only (no weights): the model is
 built on PyTorch's meta device, so its parameter bytes are exact and nothing is allocated. The
 per-session bytes come from the engine's own accounting: the KV pool's bytes per token and block
-size (llava.kv_pool), a session's features and token history (llava.session), the opening
-prompt (llava.prompt) and the store's budget rule (llava.engine)
+size (llava.kv_pool), a session's KV and features in whole pool blocks (llava.memory), the
+opening prompt (llava.prompt) and the engine's budget rule (llava.engine)
 (docs/design.md §Capacity by arithmetic).
 Kept thin on purpose: each number is one call into the code that does the accounting.
 """
@@ -26,11 +26,12 @@ import torch
 from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
 
 from llava.config import EngineConfig
+from llava.engine import DEFAULT_HOST_FRACTION
 from llava.imageprep import image_aspect_ratio
 from llava.kv_pool import KVPool, kv_bytes_per_token
+from llava.memory import session_feature_bytes, session_kv_bytes
 from llava.prompt import ChatPrompt
 from llava.runner import Runner
-from llava.session import TOKEN_ID_BYTES
 
 GiB, GB = 1024**3, 10**9
 # The pool's block size: a session holds whole blocks (llava.kv_pool.KVPool).
@@ -79,11 +80,11 @@ class Workload:
 
 @dataclass(frozen=True)
 class SessionBytes:
-    """One session's bytes, as llava.session.Session.bytes_by_tier counts them."""
+    """One session's bytes, as the memory manager (llava.memory) counts them."""
 
     tokens: int
     kv: int  # whole pool blocks (device KV, or the same bytes held in host RAM)
-    features: int  # image features + token history (what a features-only session keeps)
+    features: int  # image features in pool blocks (what a features-only session keeps)
 
 
 @dataclass(frozen=True)
@@ -104,14 +105,17 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype) -> Checkpoint:
         model = LlavaForConditionalGeneration(config).to(dtype)
     prompt = ChatPrompt(AutoProcessor.from_pretrained(model_dir))
     image_tokens = config.image_seq_length
+    per_token = kv_bytes_per_token(config.text_config, dtype)
     return Checkpoint(
         name=Path(model_dir).name,
         dtype=dtype,
         weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         opening_tokens=len(prompt.opening_ids(True, image_tokens)),
-        kv_bytes_per_token=kv_bytes_per_token(config.text_config, dtype),
-        # (image tokens, hidden) in the model's dtype: llava.engine.Engine._image_features
-        feature_bytes=image_tokens * config.text_config.hidden_size * dtype.itemsize,
+        kv_bytes_per_token=per_token,
+        # (image tokens, hidden) in the model's dtype, stored in whole pool blocks
+        feature_bytes=session_feature_bytes(
+            image_tokens, config.text_config.hidden_size, dtype.itemsize, BLOCK_TOKENS * per_token
+        ),
         refusal=refusal(model, prompt),
     )
 
@@ -131,11 +135,10 @@ def refusal(model, prompt: ChatPrompt) -> str | None:
 
 def session_bytes(checkpoint: Checkpoint, workload: Workload) -> SessionBytes:
     tokens = checkpoint.opening_tokens + workload.turns * workload.tokens_per_turn
-    blocks = -(-tokens // BLOCK_TOKENS)
     return SessionBytes(
         tokens=tokens,
-        kv=blocks * BLOCK_TOKENS * checkpoint.kv_bytes_per_token,
-        features=checkpoint.feature_bytes + TOKEN_ID_BYTES * tokens,
+        kv=session_kv_bytes(tokens, checkpoint.kv_bytes_per_token, BLOCK_TOKENS),
+        features=checkpoint.feature_bytes,
     )
 
 
@@ -211,7 +214,7 @@ def report(
         f"session: {checkpoint.opening_tokens} opening tokens (image included)"
         f" + {workload.turns} turns x {workload.tokens_per_turn} = {per.tokens} tokens",
         f"  device KV tier : {_mib(per.kv + per.features)} on the GPU"
-        f" (KV {_mib(per.kv)} + features and history {_mib(per.features)})",
+        f" (KV {_mib(per.kv)} + features {_mib(per.features)})",
         f"  host KV tier   : {_mib(per.kv)} in host RAM + {_mib(per.features)} on the GPU",
         f"  features only  : {_mib(per.features)} on the GPU (next turn re-prefills"
         f" {per.tokens} tokens)",
@@ -268,8 +271,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--host-fraction",
         type=float,
-        default=0.5,
-        help="share of host RAM given to the host KV tier (an assumption)",
+        default=DEFAULT_HOST_FRACTION,
+        help="share of host RAM for the host KV tier (default: the engine's, when"
+        " host_budget_bytes is unset; of the RAM free at start, which is somewhat less)",
     )
     args = parser.parse_args(argv)
     if args.turns < 0 or args.tokens_per_turn < 0:

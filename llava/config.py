@@ -38,9 +38,13 @@ class SettingsError(ValueError):
 class EngineConfig:
     """What the engine needs to know; every field has a default that is safe to serve with.
 
-    ``session_budget_bytes`` bounds the memory all sessions may hold (KV caches, image
-    features, token histories). ``None`` means: on CUDA, ``session_budget_fraction`` of the
-    device memory free after loading the model; on CPU, ``cpu_session_budget_bytes``.
+    ``session_budget_bytes`` bounds the device memory all sessions may hold (KV caches and
+    image features: the KV pool, allocated at start). ``None`` means: on CUDA, what is free
+    after loading the model less ``device_headroom_bytes``; on CPU, ``cpu_session_budget_bytes``.
+    ``device_headroom_bytes`` is left free for activations and graphs (``None``: on CUDA
+    ``1 - session_budget_fraction`` of the free memory, on CPU 0). ``host_budget_bytes``
+    bounds the host copies of KV caches moved off the device (``None``: a quarter of the
+    host's free memory; 0: no host tier). See docs/design.md §Memory policy.
     """
 
     model_dir: str
@@ -51,6 +55,9 @@ class EngineConfig:
     session_budget_bytes: int | None = None
     session_budget_fraction: float = 0.8
     cpu_session_budget_bytes: int = 4 * GiB
+    device_headroom_bytes: int | None = None
+    host_budget_bytes: int | None = None
+    check_memory_when_idle: bool = False  # debug: the engine loop checks the books when idle
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
     max_question_chars: int = 8000
@@ -121,6 +128,15 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "session_budget_fraction": (lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1]"),
     "cpu_session_budget_bytes": (_positive_int, "an integer > 0"),
+    "device_headroom_bytes": (
+        lambda v: v is None or (_int(v) and v >= 0),
+        "null (what session_budget_fraction leaves) or an integer >= 0",
+    ),
+    "host_budget_bytes": (
+        lambda v: v is None or (_int(v) and v >= 0),
+        "null (a quarter of the host's free memory) or an integer >= 0 (0: no host tier)",
+    ),
+    "check_memory_when_idle": (lambda v: isinstance(v, bool), "true or false"),
     "default_max_new_tokens": (_positive_int, "an integer > 0"),
     "max_new_tokens_limit": (_positive_int, "an integer > 0"),
     "max_question_chars": (_positive_int, "an integer > 0"),
@@ -223,9 +239,13 @@ def load_config(
     try:
         return EngineConfig.from_mapping(settings)
     except SettingsError as e:
-        if e.setting in overrides:
-            ours = env_name(e.setting)
-            source = seeds[e.setting][0] if e.setting in seeds and ours not in environ else ours
-        else:
-            source = ARCHIVED + e.setting
-        raise e.from_source(source) from None
+        raise e.from_source(setting_source(e.setting, environ)) from None
+
+
+def setting_source(setting: str, environ: Mapping[str, str]) -> str:
+    """Where a setting's value came from, as a message should name it: our ``LLAVA_*``
+    variable, else a seed name that set it (:data:`SEED_NAMES`), else the archived key."""
+    if env_name(setting) in environ:
+        return env_name(setting)
+    seeds = [name for name, (target, _f, _u) in SEED_NAMES.items() if target == setting]
+    return next((name for name in seeds if name in environ), ARCHIVED + setting)

@@ -136,9 +136,9 @@ def _engine(loaded):
     """An engine over ``loaded`` with room for every session, stopped afterwards."""
     from llava.config import EngineConfig
     from llava.engine import Engine
-    from llava.store import SessionStore
+    from llava.memory import MemoryBudget
 
-    engine = Engine(loaded, SessionStore(budget_bytes=1 << 30), EngineConfig(model_dir="-"))
+    engine = Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
     try:
         yield engine
     finally:

@@ -9,61 +9,89 @@ It raises only ``llava.errors`` types, so a transport can map every failure to a
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from PIL import Image
 
-from llava.config import EngineConfig
+from llava.config import EngineConfig, SettingsError
 from llava.errors import InvalidRequest
 from llava.generation import GenerationParams
 from llava.imageprep import prepare_image
-from llava.kv_pool import KVPool
 from llava.logits_mask import banned_token_ids
 from llava.loop import EngineLoop
+from llava.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
 from llava.model import LoadedModel, load_model
+from llava.requests import Answer, Opened, OpenRequest, RequestContext, TurnRequest
 from llava.runner import Runner, StepInput
 from llava.scheduler import Scheduler
-from llava.store import SessionStore, StoreStats
-from llava.work import Answer, Opened, OpenRequest, TurnRequest
+from llava.store import SessionStore, StoreCounters
 
-__all__ = ["Answer", "Engine", "Opened"]
+__all__ = ["Answer", "Engine", "EngineStats", "Opened"]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The registry's counters and the memory manager's tiers, one snapshot for metrics."""
+
+    sessions_by_tier: dict[Tier, int]
+    bytes_by_tier: dict[Tier, int]
+    budget: MemoryBudget
+    store: StoreCounters
+    memory: MemoryCounters
+
+    @property
+    def sessions(self) -> int:
+        return sum(self.sessions_by_tier.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_tier.values())
 
 
 class Engine:
-    """``max_batch``: sequences per step (1 = one request at a time). The KV pool holds
-    ``kv_pool_bytes`` (default: the store's budget), allocated once here."""
+    """``max_batch``: sequences per step (1 = one request at a time). ``budget``: the memory
+    manager's device pool (allocated once here), host bytes and stated headroom."""
 
     def __init__(
         self,
         loaded: LoadedModel,
-        store: SessionStore,
         config: EngineConfig,
+        budget: MemoryBudget,
         *,
         max_batch: int = 32,
         prefill_chunk_tokens: int = 512,
         mixed_steps: bool = True,
-        kv_pool_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.loaded = loaded
-        self.store = store
         self.config = config
-        self.device = loaded.device
-        self.image_token_id = loaded.model.config.image_token_id
-        self._banned_ids = banned_token_ids(
-            loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
+        self.memory = MemoryManager.for_model(
+            loaded.model.config.text_config, budget, loaded.device, loaded.dtype
         )
-        self.pool = KVPool(
-            loaded.model.config.text_config,
-            kv_pool_bytes or store.budget_bytes,
-            loaded.device,
-            loaded.dtype,
+        self.store = SessionStore(self.memory, ttl_s=config.session_ttl_s, clock=clock)
+        self.context = RequestContext(
+            registry=self.store,
+            memory=self.memory,
+            prompt=loaded.prompt,
+            encode_image=self.encode_image,
+            tokenizer=loaded.tokenizer,
+            eos_token_ids=loaded.eos_token_ids,
+            banned_ids=banned_token_ids(
+                loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
+            ),
+            device=loaded.device,
+            image_token_id=loaded.model.config.image_token_id,
+            max_positions=loaded.max_positions,
         )
-        self.runner = Runner(loaded.model, self.pool)
+        self.runner = Runner(loaded.model, self.memory.pool)
         scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps)
-        self.loop = EngineLoop(self.runner, scheduler, time.monotonic).start()
+        on_idle = self.check_integrity if config.check_memory_when_idle else None
+        self.loop = EngineLoop(self.runner, scheduler, time.monotonic, on_idle).start()
         weakref.finalize(self, self.loop.stop)  # the loop thread ends with its engine
 
     @classmethod
@@ -71,10 +99,7 @@ class Engine:
         loaded = load_model(
             config.model_dir, config.device, config.dtype, config.attn_implementation
         )
-        store = SessionStore(
-            budget_bytes=_session_budget(config, loaded), ttl_s=config.session_ttl_s
-        )
-        return cls(loaded, store, config, **options)
+        return cls(loaded, config, memory_budget(config, loaded.device), **options)
 
     def warm_up(self) -> float:
         """Run the vision tower, a prefill and a decode step once, outside any session, so the
@@ -86,15 +111,15 @@ class Engine:
         return time.perf_counter() - start
 
     def _warm_up(self, pixels: torch.Tensor) -> None:
-        features = self._image_features(pixels)
+        features = self.encode_image(pixels)
         ids = self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0])
-        kv = self.pool.new_kv()
+        holding = self.memory.hold()
         try:
-            self.store.reserve(kv, len(ids) + 1)
-            self.runner.step([StepInput(kv, ids, features)])
-            self.runner.step([StepInput(kv, ids[:1], None)])  # ids[0]: not an image token
+            if self.memory.reserve(holding, len(ids) + 1, features) is None:
+                self.runner.step([StepInput(holding.kv, ids, features)])
+                self.runner.step([StepInput(holding.kv, ids[:1], None)])  # not an image token
         finally:
-            self.store.release(kv)
+            self.memory.release(holding)
 
     # -- the three operations --------------------------------------------------------------
     def open(self, image: Image.Image | None = None, session_id: str | None = None) -> Opened:
@@ -106,7 +131,8 @@ class Engine:
         if session_id is not None:
             self.store.check_id_free(session_id)
         pixels = None if image is None else self._pixels(image)
-        return self.loop.submit(OpenRequest(self, pixels, session_id))
+        deadline_s = self.config.turn_deadline_s
+        return self.loop.submit(OpenRequest(self.context, deadline_s, pixels, session_id))
 
     def ask(
         self,
@@ -132,15 +158,36 @@ class Engine:
             max_new_tokens_limit=self.config.max_new_tokens_limit,
         )
         question = self._check_question(question)
-        request = TurnRequest(self, session_id, question, params, on_token, cancelled)
+        request = TurnRequest(
+            self.context,
+            self.config.turn_deadline_s,
+            session_id,
+            question,
+            params,
+            on_token,
+            cancelled,
+        )
         return self.loop.submit(request)
 
     def close(self, session_id: str) -> str | None:
         """None if this closed it; else why it was already gone (see SessionStore.close)."""
         return self.store.close(session_id)
 
-    def stats(self) -> StoreStats:
-        return self.store.stats()
+    def stats(self) -> EngineStats:
+        counters = self.store.counters()  # first: it sweeps expired sessions
+        memory = self.memory.stats()
+        return EngineStats(
+            memory.sessions_by_tier,
+            memory.bytes_by_tier,
+            memory.budget,
+            counters,
+            memory.counters,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if the memory's books or the registry disagree with what is
+        held (tests; and the loop when idle with check_memory_when_idle)."""
+        self.store.check_integrity()
 
     def stop(self) -> None:
         """End the loop thread (what it still runs or holds fails); for a clean exit."""
@@ -154,7 +201,7 @@ class Engine:
         return image_processor(images=image, return_tensors="pt").pixel_values
 
     @torch.inference_mode()
-    def _image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The vision tower + projector, once per session: (image tokens, hidden) features."""
         model = self.loaded.model
         pixels = pixel_values.to(self.loaded.device, self.loaded.dtype)
@@ -173,19 +220,37 @@ class Engine:
             )
         return question.strip()
 
-    def check_length(self, needed: int) -> None:
-        if needed > self.loaded.max_positions:
-            raise InvalidRequest(
-                f"the conversation would reach {needed} tokens, past the model's "
-                f"{self.loaded.max_positions}; lower max_new_tokens or open a new session",
-                code="CONVERSATION_TOO_LONG",
-            )
+
+# Unset host_budget_bytes: this share of the memory free on the host at start (the rest is the
+# worker's own, the OS's and the page cache's).
+DEFAULT_HOST_FRACTION = 0.25
 
 
-def _session_budget(config: EngineConfig, loaded: LoadedModel) -> int:
-    if config.session_budget_bytes is not None:
-        return config.session_budget_bytes
-    if loaded.device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(loaded.device)
-        return int(free * config.session_budget_fraction)
-    return config.cpu_session_budget_bytes
+def memory_budget(config: EngineConfig, device: torch.device) -> MemoryBudget:
+    """The memory manager's budget from the settings and what this machine has; a setting
+    that cannot fit fails the start with one line (SettingsError)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    host = config.host_budget_bytes
+    if host is None:
+        host = int(available * DEFAULT_HOST_FRACTION)
+    elif host > available:
+        raise SettingsError(
+            "host_budget_bytes",
+            f"{host} is more than the {available} bytes of memory free on this host",
+        )
+    if device.type != "cuda":
+        device_bytes = config.session_budget_bytes or config.cpu_session_budget_bytes
+        return MemoryBudget(device_bytes, host, config.device_headroom_bytes or 0)
+    free, _total = torch.cuda.mem_get_info(device)
+    headroom = config.device_headroom_bytes
+    if headroom is None:
+        headroom = int(free * (1 - config.session_budget_fraction))
+    device_bytes = config.session_budget_bytes or free - headroom
+    if device_bytes + headroom > free or device_bytes <= 0:
+        raise SettingsError(
+            "session_budget_bytes",
+            f"{device_bytes} bytes for sessions plus "
+            f"{headroom} bytes of headroom (device_headroom_bytes) do not fit the {free} "
+            f"bytes free on {device}",
+        )
+    return MemoryBudget(device_bytes, host, headroom)

@@ -67,8 +67,62 @@ class KVPool:
         """What the allocator holds for the pool: the one tensor's storage."""
         return self.kv.untyped_storage().nbytes()
 
+    @property
+    def block_numel(self) -> int:
+        """Elements of one block (every layer's K and V of ``block_tokens`` tokens)."""
+        return self.bytes_per_block // self.kv.element_size()
+
+    def is_free(self, block: int) -> bool:
+        return bool(self._free_map[block])
+
     def new_kv(self) -> SessionKV:
         return SessionKV(self)
+
+    # -- whole blocks as data (the memory manager's API: docs/design.md §Memory policy) -----
+    def take_blocks(self, n: int) -> list[int]:
+        """``n`` blocks for data other than a sequence's KV (image features), highest free
+        first so the low runs stay whole for KV; raises KVPoolFull taking none."""
+        if n > self._free_count:
+            raise KVPoolFull(f"need {n} blocks, {self._free_count} free of {self.total_blocks}")
+        taken, at = [], len(self._free_map)
+        while len(taken) < n:
+            at = self._free_map.rfind(1, 0, at)
+            taken.append(at)
+        return self._mark_taken(taken)
+
+    def give_back(self, blocks: list[int]) -> None:
+        """Blocks from ``take_blocks`` (or a block table) are free again."""
+        self._give_back(blocks)
+
+    def blocks_shape(self, n: int) -> torch.Size:
+        """Shape of what ``read_blocks`` returns for ``n`` blocks (opaque: the layout's)."""
+        layers, pair, kv_heads, _slots, head_dim = self.kv.shape
+        return torch.Size((layers, pair, kv_heads, n, self.block_tokens, head_dim))
+
+    def read_blocks(self, blocks: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of ``blocks`` (every layer), into ``out`` if given (e.g. pinned host memory;
+        the copy is then asynchronous on CUDA). ``write_blocks`` puts it back, in any blocks."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
+        with torch.inference_mode():
+            gathered = self._by_block().index_select(3, index)
+            if out is None:
+                return gathered
+            out.copy_(gathered, non_blocking=True)
+            return out
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Copy ``data`` (shaped like ``read_blocks``' result) into ``blocks``."""
+        if data.shape != self.blocks_shape(len(blocks)):
+            raise ValueError(f"{tuple(data.shape)} is not {len(blocks)} blocks of this pool")
+        index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
+        with torch.inference_mode():
+            self._by_block().index_copy_(3, index, data.to(self.kv.device, non_blocking=True))
+
+    def _by_block(self) -> torch.Tensor:
+        """The pool tensor viewed with blocks as one dimension (a view: no copy)."""
+        layers, pair, kv_heads, _slots, head_dim = self.kv.shape
+        shape = (layers, pair, kv_heads, self.total_blocks, self.block_tokens, head_dim)
+        return self.kv.view(shape)
 
     def blocks_needed(self, kv: SessionKV, extra_tokens: int) -> int:
         """Blocks ``kv`` must still take to hold ``extra_tokens`` more tokens."""

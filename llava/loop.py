@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from llava.errors import Busy
+from llava.memory import Shortfall
 from llava.runner import Runner, StepInput
 from llava.scheduler import Scheduler
 
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class Request(Protocol):
-    """What the loop runs (llava.work): an opening prefill or a question's turn."""
+    """What the loop runs (llava.requests): an opening prefill or a question's turn."""
 
     future: Future
     deadline: float  # time.monotonic() by which it must have ended
@@ -36,9 +37,10 @@ class Request(Protocol):
     pending: int
     prefilling: bool
 
-    def admit(self) -> None:
-        """Take what the request needs (session, KV blocks); all or nothing. Raises Busy if
-        memory is short now, or any error that fails the request."""
+    def admit(self) -> Shortfall | None:
+        """Take what the request needs (session, memory); all or nothing. Returns a
+        Shortfall if memory is short now (it waits, or fails Busy); raises any error that
+        fails the request."""
 
     def stop_reason(self, now: float) -> str | None:
         """Why it must end before the next step ("deadline", "cancelled"), or None."""
@@ -60,8 +62,15 @@ class Request(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, runner: Runner, scheduler: Scheduler, clock: Callable[[], float]):
+    def __init__(
+        self,
+        runner: Runner,
+        scheduler: Scheduler,
+        clock: Callable[[], float],
+        on_idle: Callable[[], None] | None = None,
+    ):
         self.runner = runner
+        self.on_idle = on_idle  # called each time the loop goes idle (a debug check)
         self.scheduler = scheduler
         self._clock = clock
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -106,6 +115,11 @@ class EngineLoop:
             self._fail(request, stopped)
 
     def _iteration(self) -> None:
+        if self.scheduler.idle and self.on_idle is not None:
+            try:
+                self.on_idle()
+            except Exception:  # a debug check: say so loudly, keep serving
+                logger.exception("the engine's idle check failed")
         self._receive(block=self.scheduler.idle)
         self._admit()
         now = self._clock()
@@ -137,15 +151,16 @@ class EngineLoop:
     def _admit(self) -> None:
         for request in self.scheduler.admissible():
             try:
-                request.admit()
-            except Busy as busy:
-                # Running turns end within their deadline and their sessions turn idle (then
-                # demotable): wait for them, unless nothing runs or this one's time is up.
-                if self.scheduler.running and self._clock() < request.deadline:
-                    continue
-                self._fail(request, busy)
+                shortfall = request.admit()
             except BaseException as error:
                 self._fail(request, error)
+                continue
+            if shortfall is not None:
+                # Running turns end within their deadline and their sessions turn idle (then
+                # movable): wait for them, unless nothing runs or this one's time is up.
+                if not self.scheduler.running or self._clock() >= request.deadline:
+                    busy = Busy(shortfall.message, retry_after_s=shortfall.retry_after_s)
+                    self._fail(request, busy)
             else:
                 self.scheduler.start(request)
                 if not request.pending:  # nothing to feed (an opening without ids)

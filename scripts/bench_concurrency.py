@@ -28,9 +28,8 @@ sys.path.insert(0, str(REPO))
 
 from llava.config import EngineConfig  # noqa: E402
 from llava.engine import Engine  # noqa: E402
+from llava.memory import MemoryBudget, Tier  # noqa: E402
 from llava.model import load_model  # noqa: E402
-from llava.session import Tier  # noqa: E402
-from llava.store import SessionStore  # noqa: E402
 from llava.synthetic import held_out_samples  # noqa: E402
 
 QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
@@ -148,7 +147,7 @@ def main() -> None:
     config = EngineConfig(model_dir=str(args.model_dir))
 
     def engine(**options) -> Engine:
-        built = Engine(loaded, SessionStore(budget_bytes=4 << 30), config, **options)
+        built = Engine(loaded, config, MemoryBudget(4 << 30), **options)
         built.warm_up()
         return built
 
@@ -192,16 +191,18 @@ def main() -> None:
 
 
 def memory(engine: Engine, images) -> None:
-    """Accounted KV bytes against what the pool's allocation holds, with 8 sessions open."""
+    """Accounted bytes (KV and features) against what the pool's allocation holds, with 8
+    sessions open."""
     ids = [engine.open(image).session_id for image in images[:8]]
     for session_id in ids:
         engine.ask(session_id, QUESTIONS[0], {"max_new_tokens": 8})
-    pool = engine.pool
-    accounted = engine.stats().bytes_by_tier[Tier.KV]
+    pool, budget = engine.memory.pool, engine.memory.budget.device_bytes
+    by_tier = engine.stats().bytes_by_tier
+    accounted = by_tier[Tier.KV] + by_tier[Tier.FEATURES]
     held = (pool.total_blocks - pool.free_blocks) * pool.bytes_per_block
     print(
-        f"\nmemory: budget {engine.store.budget_bytes:,} B, pool allocated "
-        f"{pool.allocated_bytes:,} B ({pool.allocated_bytes / engine.store.budget_bytes:.4f} of "
+        f"\nmemory: budget {budget:,} B, pool allocated "
+        f"{pool.allocated_bytes:,} B ({pool.allocated_bytes / budget:.4f} of "
         f"the budget, allocated once); 8 sessions hold {accounted:,} B accounted = "
         f"{held:,} B of blocks handed out"
     )

@@ -4,8 +4,8 @@ The real handler runs in-process (TorchServe's Context, no frontend) on the demo
 idle sessions each hold one block of the engine's KV pool (only the bookkeeping is measured).
 Columns: the handler's time per ask, the store's own bookkeeping per request (a turn's
 enter/leave plus the stats the handler publishes), and, for contrast, one walk of every
-session's tensors, which is what each request used to pay (twice: once for the stats, once
-for the budget check).
+session's memory (the integrity check a debug engine runs when idle), which is what each
+request used to pay (twice: once for the stats, once for the budget check).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ ASK = {"requestType": "SESSION", "inputs": "What shape is it?", "parameters": {"
 
 
 def idle_session(engine: Engine) -> Session:
-    kv = engine.pool.new_kv()
-    engine.store.reserve(kv, 1)
-    return Session(new_session_id(), [0], None, kv, last_used=0.0)
+    holding = engine.memory.hold()
+    assert engine.memory.reserve(holding, 1) is None
+    return Session(new_session_id(), [0], holding)
 
 
 def median_ms(action, repeat: int) -> float:
@@ -45,10 +45,6 @@ def median_ms(action, repeat: int) -> float:
         action()
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
-
-
-def full_walk(store) -> int:
-    return sum(sum(s.bytes_by_tier().values()) for s in list(store._sessions.values()))
 
 
 def main() -> None:
@@ -82,7 +78,7 @@ def main() -> None:
 
             handler = median_ms(ask, args.turns)
             store = median_ms(bookkeeping, args.turns)
-            walk = median_ms(lambda: full_walk(engine.store), 5)
+            walk = median_ms(engine.check_integrity, 5)
             worker.invoke({"requestType": "CLOSE_SESSION"}, {SESSION: opened})
             print(f"{held:>9,} {handler:>16.2f} {store:>18.3f} {walk:>14.2f}")
     finally:

@@ -26,12 +26,12 @@ import torch
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.runner import StepInput
-from llava.session import TOKEN_ID_BYTES
 from llava.synthetic import held_out_samples
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("stateless", "pixels", "features", "kv")
 QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
+TOKEN_ID_BYTES = 8  # a cached history as int64 ids
 
 
 def ensure_model(model_dir: Path) -> None:
@@ -47,10 +47,10 @@ def kv_conversation(engine: Engine, image, turns: int, params: dict):
     timings, prompts = [], []
     for turn in range(turns):
         answer = engine.ask(session_id, QUESTIONS[turn % len(QUESTIONS)], params)
-        history = engine.store._sessions[session_id].token_ids
+        history = engine.store.session(session_id).token_ids
         prompts.append(history[: answer.cached_tokens + answer.new_tokens])
         timings.append((answer.ttft_s, answer.total_s))
-    held = engine.store._sessions[session_id].nbytes
+    held = engine.memory.held_bytes(engine.store.session(session_id).holding)
     engine.close(session_id)
     return timings, prompts, held
 
@@ -60,8 +60,9 @@ def answer_from_scratch(engine: Engine, prompt, features, new_tokens: int):
     the model); returns (time to first token, total)."""
 
     def run():
-        kv = engine.pool.new_kv()
-        engine.store.reserve(kv, len(prompt) + new_tokens)
+        holding = engine.memory.hold()
+        assert engine.memory.reserve(holding, len(prompt) + new_tokens) is None
+        kv = holding.kv
         try:
             start = time.perf_counter()
             logits = engine.runner.step([StepInput(kv, prompt, features)])
@@ -70,7 +71,7 @@ def answer_from_scratch(engine: Engine, prompt, features, new_tokens: int):
                 logits = engine.runner.step([StepInput(kv, [int(logits[0].argmax())])])
             return first, time.perf_counter() - start
         finally:
-            engine.store.release(kv)
+            engine.memory.release(holding)
 
     return engine.loop.call(run)
 
@@ -80,14 +81,14 @@ def replay(engine: Engine, mode: str, image, prompts, new_tokens: int):
     loaded = engine.loaded
     preprocess = loaded.processor.image_processor
     pixels = preprocess(images=image, return_tensors="pt").pixel_values
-    features = engine._image_features(pixels)
+    features = engine.encode_image(pixels)
     timings = []
     for prompt in prompts:
         start = time.perf_counter()
         if mode == "stateless":
             pixels = preprocess(images=image, return_tensors="pt").pixel_values
         if mode in ("stateless", "pixels"):
-            features = engine._image_features(pixels)
+            features = engine.encode_image(pixels)
         setup = time.perf_counter() - start
         first, total = answer_from_scratch(engine, prompt, features, new_tokens)
         timings.append((setup + first, setup + total))

@@ -8,7 +8,7 @@ import pytest
 
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.store import SessionStore
+from llava.memory import MemoryBudget
 from llava.synthetic import held_out_samples
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ def recognized_samples(demo_model, n: int, seed: int = 20_000):
     The model is ~99 % accurate (tests/test_demo_model.py checks that); these tests are about
     what sessions do to answers, so they start from images it is known to get right alone.
     """
-    engine = Engine(demo_model, SessionStore(budget_bytes=1 << 30), EngineConfig(model_dir="-"))
+    engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
     found = []
     for candidate in held_out_samples(200, seed=seed):
         session_id = engine.open(candidate.image).session_id

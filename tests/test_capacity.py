@@ -21,8 +21,7 @@ from llava.capacity import (
 )
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.session import Tier
-from llava.store import SessionStore
+from llava.memory import MemoryBudget, Tier
 from llava.synthetic import held_out_samples
 from tests.conftest import DEMO_MODEL_DIR, REPO
 
@@ -30,7 +29,7 @@ LLAVA_15 = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
 
 
 def test_an_opened_session_holds_exactly_the_bytes_capacity_predicts(demo_model):
-    engine = Engine(demo_model, SessionStore(budget_bytes=8 << 20), EngineConfig("-"))
+    engine = Engine(demo_model, EngineConfig("-"), MemoryBudget(8 << 20))
     engine.open(held_out_samples(1, seed=71_000)[0].image)
     held = engine.stats().bytes_by_tier
     predicted = session_bytes(load_checkpoint(str(DEMO_MODEL_DIR), torch.float32), Workload(0, 0))
@@ -43,14 +42,15 @@ def test_llava_15_7b_from_its_config_alone():
     assert checkpoint.refusal is None
     assert checkpoint.kv_bytes_per_token == 32 * 2 * 32 * 128 * 2  # layers, K+V, heads, dim, fp16
     assert 7.0e9 < checkpoint.weight_bytes / 2 < 7.1e9  # 7.06 B parameters
-    assert checkpoint.feature_bytes == 576 * 4096 * 2
+    # 576 x 4096 fp16 features (4.5 MiB) take one whole pool block of 16 tokens x 512 KiB
+    assert checkpoint.feature_bytes == 16 * checkpoint.kv_bytes_per_token > 576 * 4096 * 2
     per = session_bytes(checkpoint, Workload(turns=10, tokens_per_turn=60))
     assert per.tokens == checkpoint.opening_tokens + 600
     assert per.kv == -(-per.tokens // 16) * 16 * checkpoint.kv_bytes_per_token
     g5 = INSTANCES["ml.g5.2xlarge"]
     room = fit(checkpoint, per, g5.gpu_memory_bytes, g5.host_memory_bytes // 2, 0.8)
     assert room.device_kv == room.device_budget // (per.kv + per.features)
-    assert room.features_only > 100 * room.device_kv  # demotion is what lets many sessions stay
+    assert room.features_only > 50 * room.device_kv  # demotion is what lets many sessions stay
 
 
 def test_the_cli_prints_the_table_for_one_instance():

@@ -19,9 +19,9 @@ from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGenerati
 
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava.memory import MemoryBudget
 from llava.model import load_model
 from llava.prompt import ChatPrompt, assistant_message, user_message
-from llava.store import SessionStore
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llava-1.5-7b-hf"
 IMAGE_PX = 56  # 4 x 4 patches of 14 px
@@ -64,7 +64,7 @@ def loaded(tiny_dir):
 
 @pytest.fixture
 def engine(loaded):
-    return Engine(loaded, SessionStore(budget_bytes=1 << 30), EngineConfig(model_dir="-"))
+    return Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +93,14 @@ def hf_inputs(loaded, messages) -> dict:
 
 def hf_generate(engine: Engine, inputs: dict) -> list[int]:
     out = engine.loaded.model.generate(
-        **inputs, do_sample=False, max_new_tokens=MAX_NEW, suppress_tokens=engine._banned_ids
+        **inputs, do_sample=False, max_new_tokens=MAX_NEW, suppress_tokens=engine.context.banned_ids
     )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def last_prompt(engine: Engine, session_id: str, answer) -> list[int]:
     """The history holds the last prompt, then the answer's ids without its end token."""
-    history = engine.store._sessions[session_id].token_ids
+    history = engine.store.session(session_id).token_ids
     kept = len(answer.token_ids) - (1 if answer.finished else 0)
     return history[: len(history) - kept]
 
@@ -118,7 +118,7 @@ def test_every_turn_prompt_is_the_canonical_tokenization(engine, image, with_ima
         assert answer.cached_tokens + answer.new_tokens == len(canonical)  # usage adds up
         assert list(answer.token_ids) == hf_generate(engine, inputs), question
         turns.append((question, answer.text))
-    assert engine.store._sessions[session_id].turns == len(QUESTIONS)
+    assert engine.store.session(session_id).turns == len(QUESTIONS)
 
 
 def test_image_session_prompt_expands_the_image_like_the_processor(engine, image):
@@ -150,7 +150,7 @@ def collect_into(chunks: list[str]):
 
 def test_fifty_hot_sampled_turns_never_break_the_session(engine, image):
     session_id = engine.open(image).session_id
-    banned = set(engine._banned_ids)
+    banned = set(engine.context.banned_ids)
     params = {"do_sample": True, "temperature": 5.0, "seed": 1234, "max_new_tokens": 6}
     for turn in range(50):
         question = SPECIAL_QUESTIONS[turn % len(SPECIAL_QUESTIONS)] + f" #{turn}"
@@ -158,7 +158,7 @@ def test_fifty_hot_sampled_turns_never_break_the_session(engine, image):
         answer = engine.ask(session_id, question, params, on_token=collect_into(chunks))
         assert not banned & set(answer.token_ids)
         assert "".join(chunks) == answer.text
-    assert engine.store._sessions[session_id].turns == 50
+    assert engine.store.session(session_id).turns == 50
 
 
 class Boom(RuntimeError):
@@ -180,7 +180,7 @@ def fail_after(n: int):
 def test_a_failing_callback_leaves_the_session_as_before(engine, image, fail_at):
     session_id = engine.open(image).session_id
     first = engine.ask(session_id, QUESTIONS[0], {"max_new_tokens": MAX_NEW})
-    session = engine.store._sessions[session_id]
+    session = engine.store.session(session_id)
     before = (list(session.token_ids), list(session.messages), session.turns)
     with pytest.raises(Boom):
         engine.ask(session_id, QUESTIONS[1], {"max_new_tokens": MAX_NEW}, fail_after(fail_at))
@@ -193,7 +193,7 @@ def test_a_failing_callback_leaves_the_session_as_before(engine, image, fail_at)
 
 def test_banned_ids_cover_added_specials_and_padding_rows_but_not_eos(loaded):
     tokenizer = loaded.tokenizer
-    banned = set(Engine(loaded, SessionStore(budget_bytes=1 << 20), EngineConfig("-"))._banned_ids)
+    banned = set(Engine(loaded, EngineConfig("-"), MemoryBudget(1 << 20)).context.banned_ids)
     assert {0, 1, 32000, 32001} <= banned  # <unk>, <s>, <image>, <pad>
     assert set(range(len(tokenizer), 32064)) <= banned  # embedding rows with no token
     assert tokenizer.eos_token_id not in banned and 29871 not in banned

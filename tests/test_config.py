@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from llava.config import CHECKS, EngineConfig, SettingsError, load_config
+from llava.config import CHECKS, EngineConfig, SettingsError, load_config, setting_source
 
 BASE = "/srv/mar"
 
@@ -38,6 +38,9 @@ def test_defaults_and_good_values_load():
         ({"LLAVA_INTAKE": '{"max_redirect": 2}'}, "LLAVA_INTAKE", "unknown intake config keys"),
         ({"LLAVA_DEVICE": "gpu"}, "LLAVA_DEVICE", "auto, cpu, cuda or cuda:<index>"),
         ({"LLAVA_DTYPE": "fp16"}, "LLAVA_DTYPE", "one of auto, float32"),
+        ({"LLAVA_HOST_BUDGET_BYTES": "-1"}, "LLAVA_HOST_BUDGET_BYTES", "integer >= 0"),
+        ({"LLAVA_DEVICE_HEADROOM_BYTES": "1.5"}, "LLAVA_DEVICE_HEADROOM_BYTES", "integer >= 0"),
+        ({"LLAVA_CHECK_MEMORY_WHEN_IDLE": "1"}, "LLAVA_CHECK_MEMORY_WHEN_IDLE", "true or false"),
         ({"LLAVA_SESSION_BUDGET_FRACTION": "1.5"}, "LLAVA_SESSION_BUDGET_FRACTION", "(0, 1]"),
         ({"LLAVA_SESSION_BUDGET_BYTES": "-1"}, "LLAVA_SESSION_BUDGET_BYTES", "integer > 0"),
         ({"LLAVA_DEFAULT_MAX_NEW_TOKENS": "5000"}, "LLAVA_DEFAULT_MAX_NEW_TOKENS", "over max_new"),
@@ -108,3 +111,22 @@ def test_a_bad_or_conflicting_seed_name_fails_in_one_line(environ, says):
     with pytest.raises(SettingsError) as failure:
         load_config({}, environ, BASE)
     assert str(failure.value) == says
+
+
+def test_a_host_budget_this_machine_cannot_hold_fails_the_start_in_one_line():
+    """Checked once the model is in (llava.engine.memory_budget), named like any setting."""
+    import torch
+
+    from llava.engine import memory_budget
+
+    environ = {"LLAVA_HOST_BUDGET_BYTES": str(1 << 60)}
+    config = load_config({"model_dir": "-"}, environ, BASE)
+    with pytest.raises(SettingsError) as err:
+        memory_budget(config, torch.device("cpu"))
+    message = str(err.value.from_source(setting_source(err.value.setting, environ)))
+    assert message.startswith("bad setting LLAVA_HOST_BUDGET_BYTES: ") and "\n" not in message
+    assert "free on this host" in message
+    budget = memory_budget(
+        load_config({"model_dir": "-", "host_budget_bytes": 0}, {}, BASE), torch.device("cpu")
+    )
+    assert (budget.host_bytes, budget.headroom_bytes) == (0, 0)

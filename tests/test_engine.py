@@ -8,10 +8,11 @@ import torch
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import InvalidRequest, SessionNotFound
+from llava.memory import MemoryBudget
 from llava.session import Tier
-from llava.store import SessionStore
 from llava.synthetic import held_out_samples
 from tests.conftest import recognized_samples
+from tests.memory_helpers import FakeClock
 
 # Six+ turns mixing first questions, follow-ups that need the history, and free text.
 CONVERSATION = [
@@ -26,14 +27,6 @@ CONVERSATION = [
 MAX_NEW = 6
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 @pytest.fixture
 def clock():
     return FakeClock()
@@ -41,8 +34,8 @@ def clock():
 
 @pytest.fixture
 def engine(demo_model, clock):
-    store = SessionStore(budget_bytes=1 << 30, ttl_s=60, clock=clock)
-    return Engine(demo_model, store, EngineConfig(model_dir="unused"))
+    config = EngineConfig(model_dir="unused", session_ttl_s=60)
+    return Engine(demo_model, config, MemoryBudget(1 << 30), clock=clock)
 
 
 def full_recompute(engine: Engine, prompt_ids: list[int], image, max_new: int) -> list[int]:
@@ -58,7 +51,7 @@ def full_recompute(engine: Engine, prompt_ids: list[int], image, max_new: int) -
 
 def prompt_of_last_turn(engine: Engine, session_id: str, answer) -> list[int]:
     """The history starts with the turn's prompt: the ids reused from the cache + prefilled."""
-    history = engine.store._sessions[session_id].token_ids
+    history = engine.store.session(session_id).token_ids
     return history[: answer.cached_tokens + answer.new_tokens]
 
 
@@ -84,8 +77,7 @@ def test_answer_after_demotion_to_features_is_unchanged(engine, sample):
     for question in CONVERSATION[:3]:
         for session_id in (hot, cold):
             engine.ask(session_id, question, {"max_new_tokens": MAX_NEW})
-    freed = engine.store._sessions[cold].demote()
-    assert freed > 0
+    assert engine.memory.move_down(engine.store.session(cold).holding) is Tier.FEATURES
     hot_answer = engine.ask(hot, "What color is the shape?", {"max_new_tokens": MAX_NEW})
     cold_answer = engine.ask(cold, "What color is the shape?", {"max_new_tokens": MAX_NEW})
     assert cold_answer.tier is Tier.FEATURES and cold_answer.cached_tokens == 0
@@ -95,18 +87,18 @@ def test_answer_after_demotion_to_features_is_unchanged(engine, sample):
 
 
 def test_budget_pressure_demotes_and_the_next_turn_still_answers(demo_model, sample):
-    probe = Engine(demo_model, SessionStore(budget_bytes=1 << 30), EngineConfig(model_dir="-"))
+    probe = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
     first = probe.open(sample.image)
     one_session = probe.stats().total_bytes
-    tight = SessionStore(budget_bytes=int(1.5 * one_session))
-    engine = Engine(demo_model, tight, EngineConfig(model_dir="-"))
+    tight = MemoryBudget(int(1.5 * one_session))
+    engine = Engine(demo_model, EngineConfig(model_dir="-"), tight)
     a = engine.open(sample.image).session_id
     b = engine.open(held_out_samples(1, seed=30_000)[0].image).session_id
-    assert engine.stats().counters.demoted >= 1 and b in engine.store
+    assert engine.stats().memory.demoted >= 1 and b in engine.store
     # a turn reserves KV for its prompt + max_new_tokens up front: keep it within the budget
     answer = engine.ask(a, "What color is the shape?", {"max_new_tokens": MAX_NEW})
     assert answer.tier is Tier.FEATURES and answer.text == sample.color
-    assert engine.stats().total_bytes <= tight.budget_bytes
+    assert engine.stats().total_bytes <= tight.device_bytes
     probe.close(first.session_id)
 
 
@@ -119,7 +111,7 @@ def test_expiry_and_close_free_every_byte(engine, clock, sample):
     clock.now += 61
     stats = engine.stats()
     assert (stats.sessions, stats.total_bytes) == (0, 0)
-    assert (stats.counters.closed, stats.counters.expired) == (1, 1)
+    assert (stats.store.closed, stats.store.expired) == (1, 1)
     with pytest.raises(SessionNotFound) as err:
         engine.ask(expiring, "What shape is it?")
     assert err.value.code == "SESSION_EXPIRED"

@@ -10,8 +10,8 @@ import pytest
 
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava.memory import MemoryBudget
 from llava.session import Tier
-from llava.store import SessionStore
 from llava.synthetic import held_out_samples
 from tests.test_reaper import wait_until
 
@@ -25,7 +25,7 @@ QUESTIONS = [
 
 
 def new_engine(demo_model, **options) -> Engine:
-    return Engine(demo_model, SessionStore(budget_bytes=64 << 20), EngineConfig("-"), **options)
+    return Engine(demo_model, EngineConfig("-"), MemoryBudget(64 << 20), **options)
 
 
 def record_batch_sizes(engine: Engine) -> list[int]:
@@ -107,12 +107,12 @@ def test_concurrent_asks_on_one_session_run_in_arrival_order(demo_model, sample)
     release.set()
     for thread in [blocker, *threads]:
         thread.join(timeout=60)
-    concurrent = engine.store._sessions[session_id]
+    concurrent = engine.store.session(session_id)
     sequential = new_engine(demo_model)
     again = sequential.open(sample.image).session_id
     expected = [sequential.ask(again, q, {"max_new_tokens": 5}).token_ids for q in QUESTIONS]
     assert [answers[t] for t in range(len(QUESTIONS))] == expected
-    assert concurrent.messages == sequential.store._sessions[again].messages
+    assert concurrent.messages == sequential.store.session(again).messages
 
 
 def test_a_turn_past_its_deadline_ends_unfinished_and_the_next_turn_works(demo_model, sample):
@@ -139,7 +139,7 @@ def test_a_cancelled_turn_stops_at_the_next_step_and_is_committed(demo_model, sa
         cancelled=lambda: len(streamed) >= 3,
     )
     assert (answer.finished, answer.stop_reason, len(answer.token_ids)) == (False, "cancelled", 3)
-    session = engine.store._sessions[session_id]
+    session = engine.store.session(session_id)
     assert session.token_ids[-3:] == list(answer.token_ids) and session.turns == 1
     follow_up = engine.ask(session_id, "What color is the shape?")
     assert follow_up.stop_reason == "eos" and follow_up.cached_tokens > 0
@@ -153,7 +153,7 @@ def test_a_failing_turn_fails_alone_and_keeps_its_history(demo_model):
     failing = engine.open(a.image).session_id
     healthy = engine.open(b.image).session_id
     engine.ask(failing, QUESTIONS[0])
-    history = list(engine.store._sessions[failing].token_ids)
+    history = list(engine.store.session(failing).token_ids)
 
     def broken_stream(_text, _token_id):
         raise RuntimeError("the client's socket broke")
@@ -169,7 +169,7 @@ def test_a_failing_turn_fails_alone_and_keeps_its_history(demo_model):
         engine.ask(failing, QUESTIONS[1], {"max_new_tokens": 12}, on_token=broken_stream)
     thread.join(timeout=60)
     assert outcome["b"].token_ids == expected.token_ids
-    session = engine.store._sessions[failing]
+    session = engine.store.session(failing)
     assert session.tier is Tier.FEATURES and session.token_ids == history
     assert engine.ask(failing, QUESTIONS[1]).text == a.shape
 
@@ -181,8 +181,8 @@ def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
     expected = alone.ask(alone.open(b.image).session_id, QUESTIONS[3], long).token_ids
     engine = new_engine(demo_model)
     failing, healthy = engine.open(a.image).session_id, engine.open(b.image).session_id
-    history = list(engine.store._sessions[failing].token_ids)
-    poisoned = engine.store._sessions[failing].kv
+    history = list(engine.store.session(failing).token_ids)
+    poisoned = engine.store.session(failing).kv
     step = engine.runner.step
     sizes = []
 
@@ -207,7 +207,7 @@ def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
     thread.join(timeout=60)
     assert 2 in sizes  # the two really shared a step, and the healthy one went on alone
     assert outcome["b"].token_ids == expected
-    session = engine.store._sessions[failing]
+    session = engine.store.session(failing)
     assert session.tier is Tier.FEATURES and session.token_ids == history
     engine.runner.step = step
     assert engine.ask(failing, QUESTIONS[0]).text == a.color

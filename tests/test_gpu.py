@@ -7,8 +7,8 @@ import torch
 
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava.memory import Tier
 from llava.model import assigned_device
-from llava.session import Tier
 from tests.conftest import DEMO_MODEL_DIR
 from tests.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
 
@@ -45,4 +45,20 @@ def test_worker_loads_on_its_assigned_gpu_and_sizes_its_budget_there():
     assert device == torch.device("cuda", gpu_id)
     assert {p.device for p in engine.loaded.model.parameters()} == {device}
     _free, total = torch.cuda.mem_get_info(device)
-    assert 0 < engine.store.budget_bytes <= total * engine.config.session_budget_fraction
+    assert 0 < engine.memory.budget.device_bytes <= total * engine.config.session_budget_fraction
+
+
+def test_a_turn_restored_from_pinned_host_memory_answers_as_never_moved(sample):
+    """The CUDA host tier: pinned memory and a side stream (not run where there is no GPU)."""
+    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype="float32")
+    engine = Engine.from_config(config)
+    moved, kept = (engine.open(sample.image).session_id for _ in range(2))
+    for session_id in (moved, kept):
+        engine.ask(session_id, CONVERSATION[0], {"max_new_tokens": 6})
+    holding = engine.store.session(moved).holding
+    assert engine.memory.move_down(holding) is Tier.HOST
+    assert holding.host.data.is_pinned()
+    restored = engine.ask(moved, CONVERSATION[1], {"max_new_tokens": 6})
+    never_moved = engine.ask(kept, CONVERSATION[1], {"max_new_tokens": 6})
+    assert restored.tier is Tier.HOST and restored.token_ids == never_moved.token_ids
+    engine.check_integrity()

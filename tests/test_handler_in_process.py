@@ -9,7 +9,7 @@ import pytest
 
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.store import SessionStore
+from llava.memory import MemoryBudget
 from llava.synthetic import held_out_samples
 from scripts.handler_harness import InProcessWorker
 from tests.intake_servers import image_bytes
@@ -19,8 +19,8 @@ SESSION = "X-Amzn-SageMaker-Session-Id"
 
 @pytest.fixture
 def worker(demo_model):
-    store = SessionStore(budget_bytes=1 << 30)
-    worker = InProcessWorker(Engine(demo_model, store, EngineConfig(model_dir="-")))
+    engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
+    worker = InProcessWorker(engine)
     yield worker
     worker.stop()
 
@@ -61,15 +61,19 @@ def test_any_body_gets_a_json_answer(worker, body):
     assert set(reply.json()["error"]) == {"code", "message"}
 
 
-def test_an_id_in_use_is_refused_before_any_model_work(worker, monkeypatch):
+def test_an_id_in_use_is_refused_before_any_model_work(worker):
     b64 = base64.b64encode(image_bytes(held_out_samples(1)[0].image)).decode()
     body = {"requestType": "NEW_SESSION", "extSessionID": "conversation-1a2b3c4d"}
     first = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
     assert first.status == 200 and first.json()["sessionId"] == "conversation-1a2b3c4d"
     assert first.headers[SESSION].startswith("conversation-1a2b3c4d; Expires=")
     vision_runs = []
-    monkeypatch.setattr(worker.service.engine, "_image_features", vision_runs.append)
-    again = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
+    tower = worker.service.engine.loaded.model.model.vision_tower
+    hook = tower.register_forward_hook(lambda *_: vision_runs.append(1))
+    try:
+        again = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
+    finally:
+        hook.remove()
     assert again.status == 400 and again.json()["error"]["code"] == "SESSION_ID_IN_USE"
     assert vision_runs == []
 
@@ -108,3 +112,33 @@ def test_a_cancelled_turn_stops_at_the_next_step_and_is_kept(worker, monkeypatch
     assert worker.service.turns.cancel(session_id) == 0  # nothing left in flight
     reply = worker.invoke({"requestType": "CANCEL_TURN"}, {SESSION: session_id})
     assert reply.json() == {"sessionId": session_id, "cancelledTurns": 0}
+
+
+def test_usage_tier_says_where_the_turn_found_the_sessions_memory(demo_model):
+    """kv (device), host (copied back), features (re-prefilled); gone is a 400."""
+    block = 36_864  # the demo model's KV block: 16 tokens x 3 layers x K, V x 4 x 24 x fp32
+    budget = MemoryBudget(device_bytes=22 * block, host_bytes=6 * block)
+    worker = InProcessWorker(Engine(demo_model, EngineConfig(model_dir="-"), budget))
+    assert worker.service.engine.memory.pool.bytes_per_block == block
+    try:
+        images = [held_out_samples(1, seed=77_000 + n)[0].image for n in range(4)]
+        ids = []
+        for image in images[:3]:
+            b64 = base64.b64encode(image_bytes(image)).decode()
+            ids.append(worker.invoke({"requestType": "NEW_SESSION", "image": {"b64": b64}}))
+        oldest, newer, asking = (reply.json()["sessionId"] for reply in ids)
+
+        def ask(session_id, max_new_tokens=4):
+            body = {"requestType": "SESSION", "inputs": "What color is the shape?"}
+            body["parameters"] = {"max_new_tokens": max_new_tokens}
+            return worker.invoke(body, {SESSION: session_id})
+
+        # 13 more blocks: `oldest` goes to the host, then `newer` too, which drops the older
+        # copy (the host holds one session)
+        assert ask(asking, 200).json()["usage"]["tier"] == "kv"
+        assert ask(oldest).json()["usage"]["tier"] == "features"
+        assert ask(newer).json()["usage"]["tier"] == "host"
+        memory = worker.service.engine.stats().memory
+        assert (memory.moved_to_host, memory.demoted, memory.restored) == (2, 1, 1)
+    finally:
+        worker.stop()

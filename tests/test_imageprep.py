@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.imageprep import PAD, image_aspect_ratio, mean_fill, pad_to_square, prepare_image
-from llava.store import SessionStore
+from llava.memory import MemoryBudget
 
 
 def wide_orange_circle() -> Image.Image:
@@ -58,7 +58,7 @@ def test_the_whole_image_reaches_the_vision_tower_only_when_the_checkpoint_says_
     assert padded.size == (640, 640) and padded.getpixel((588, 318)) == (255, 140, 0)
     for mode, seen in ((PAD, padded), (None, wide)):  # None: as llava-hf checkpoints
         loaded = dataclasses.replace(demo_model, image_aspect_ratio=mode)
-        engine = Engine(loaded, SessionStore(budget_bytes=1 << 24), EngineConfig(model_dir="-"))
+        engine = Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 24))
         try:
             expected = image_processor(images=seen, return_tensors="pt").pixel_values
             assert torch.equal(engine._pixels(wide), expected)
@@ -69,7 +69,7 @@ def test_the_whole_image_reaches_the_vision_tower_only_when_the_checkpoint_says_
 def test_the_demo_model_pads_and_answers_about_the_whole_wide_image(demo_model):
     """The issue's example: centre-cropped, the circle was cut away and "blue" came back."""
     assert demo_model.image_aspect_ratio == PAD  # stored in its config.json
-    engine = Engine(demo_model, SessionStore(budget_bytes=1 << 24), EngineConfig(model_dir="-"))
+    engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 24))
     try:
         session_id = engine.open(wide_orange_circle()).session_id
         assert engine.ask(session_id, "What shape is it?").text == "circle"

@@ -195,3 +195,28 @@ def test_without_room_to_move_a_session_takes_a_free_run_then_the_lowest_blocks(
     e = pool.new_kv()
     e.reserve(8)  # free: 1 and 3, no run of 2
     assert e.blocks == [1, 3]
+
+
+def test_blocks_read_out_come_back_exactly_in_other_blocks():
+    text = LlamaConfig(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32
+    )
+    pool = KVPool(text, budget_bytes=1 << 16, device="cpu", dtype=torch.float32, block_tokens=4)
+    pool.kv.copy_(torch.randn_like(pool.kv))
+    first = pool.new_kv()
+    first.reserve(10)  # 3 blocks
+    expected = pool.kv[..., first.slots(0, 10), :].clone()
+    copied = pool.read_blocks(first.blocks)
+    assert copied.shape == pool.blocks_shape(3) and copied.numel() == 3 * pool.block_numel
+    pool.kv.zero_()
+    elsewhere = pool.take_blocks(3)
+    assert elsewhere == sorted(elsewhere, reverse=True) and elsewhere[0] == pool.total_blocks - 1
+    pool.write_blocks(elsewhere, copied)
+    moved = pool.new_kv()
+    moved.blocks, moved.length = elsewhere, 10
+    assert torch.equal(pool.kv[..., moved.slots(0, 10), :], expected)
+    with pytest.raises(ValueError):
+        pool.write_blocks(elsewhere[:2], copied)
+    pool.give_back(elsewhere)
+    first.free()
+    assert pool.free_blocks == pool.total_blocks

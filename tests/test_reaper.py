@@ -9,7 +9,7 @@ import pytest
 
 from llava.reaper import Reaper, reap_period_s
 from llava.store import SessionStore
-from tests.test_store import FakeClock, make_session
+from tests.memory_helpers import FakeClock, make_session, new_memory
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -28,14 +28,14 @@ def test_the_period_is_five_percent_of_the_ttl_and_at_least_a_second(ttl, period
 @pytest.fixture
 def store():
     clock = FakeClock()
-    store = SessionStore(budget_bytes=10**9, ttl_s=60, clock=clock)
+    store = SessionStore(new_memory(), ttl_s=60, clock=clock)
     store.clock = clock
     return store
 
 
 def test_expired_sessions_are_freed_with_no_store_call(store):
     """The store's clock is fake; the reaper's timer is real (a short period for the test)."""
-    expiring, fresh = make_session(), make_session()
+    expiring, fresh = make_session(store.memory), make_session(store.memory)
     store.add(expiring)
     store.clock.now += 30
     store.add(fresh)
@@ -46,7 +46,7 @@ def test_expired_sessions_are_freed_with_no_store_call(store):
         wait_until(lambda: reaped, timeout=5, what="a sweep that freed the expired session")
         assert reaped == [1]
         assert expiring.session_id not in store and fresh.session_id in store
-        assert expiring.kv is None and expiring.image_features is None  # memory let go
+        assert expiring.kv is None and expiring.holding.feature_blocks == []  # memory let go
     finally:
         reaper.stop()
 
@@ -62,7 +62,7 @@ def test_a_failing_callback_does_not_end_the_reaping(store):
     reaper = Reaper(store, on_reap=flaky, period_s=0.02).start()
     try:
         for _ in range(2):
-            store.add(make_session())
+            store.add(make_session(store.memory))
             store.clock.now += 61
             seen = len(calls)
             wait_until(lambda n=seen: len(calls) > n, timeout=5, what="the next sweep")

@@ -246,8 +246,14 @@ def test_session_metrics_reach_the_metrics_endpoint(server, images):
         "TurnCachedTokens",
         "SessionsOpened",
         "TurnLatency",
+        "MemoryBudgetBytes",
     ):
         assert name in text, name
+    for tier in ("kv", "host", "features"):  # every tier is published, held or not
+        assert any(
+            line.startswith("SessionBytes{") and f'Tier="{tier}"' in line
+            for line in text.splitlines()
+        ), tier
 
 
 def metric_total(instance, prefix: str, missing_ok: bool = False) -> float:

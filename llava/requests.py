@@ -15,21 +15,44 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 import torch
 
 from llava.decoding import Chooser
 from llava.detokenizer import Detokenizer
+from llava.errors import InvalidRequest
 from llava.generation import GenerationParams
-from llava.kv_pool import SessionKV
-from llava.prompt import assistant_message, common_prefix_length, user_message
+from llava.memory import Holding, MemoryManager, Shortfall, Tier
+from llava.prompt import ChatPrompt, assistant_message, common_prefix_length, user_message
 from llava.runner import StepInput
-from llava.session import Session, Tier
-from llava.store import new_session_id
+from llava.session import Session
+from llava.store import SessionStore, new_session_id
 
-if TYPE_CHECKING:
-    from llava.engine import Engine
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What a request may use: no engine, so requests and the engine do not import each
+    other (docs/design.md §Memory policy)."""
+
+    registry: SessionStore
+    memory: MemoryManager
+    prompt: ChatPrompt
+    encode_image: Callable[[torch.Tensor], torch.Tensor]  # pixels → (image tokens, hidden)
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    banned_ids: object  # llava.logits_mask.banned_token_ids
+    device: torch.device
+    image_token_id: int
+    max_positions: int
+
+    def check_length(self, needed: int) -> None:
+        if needed > self.max_positions:
+            raise InvalidRequest(
+                f"the conversation would reach {needed} tokens, past the model's "
+                f"{self.max_positions}; lower max_new_tokens or open a new session",
+                code="CONVERSATION_TOO_LONG",
+            )
+
 
 # Why a turn ended; only "eos" is a finished answer.
 EOS, MAX_NEW_TOKENS, DEADLINE, CANCELLED = "eos", "max_new_tokens", "deadline", "cancelled"
@@ -62,8 +85,10 @@ class Feed:
     """A sequence's ids still to be fed, in chunks, each chunk with the image features of the
     image tokens it holds (so a prefill may be split anywhere, even inside the image)."""
 
-    def __init__(self, kv: SessionKV, ids: list[int], features, image_token_id: int, images_fed=0):
-        self.kv = kv
+    def __init__(
+        self, holding: Holding, ids: list[int], features, image_token_id: int, images_fed=0
+    ):
+        self.holding = holding
         self.ids = ids
         self.features = features
         self.image_token_id = image_token_id
@@ -76,7 +101,8 @@ class Feed:
         return len(self.ids) - self.fed
 
     def take(self, n: int) -> StepInput:
-        self._undo = (self.fed, self.images_fed, self.kv.length)
+        kv = self.holding.kv
+        self._undo = (self.fed, self.images_fed, kv.length)
         chunk = self.ids[self.fed : self.fed + n]
         self.fed += len(chunk)
         features = None
@@ -84,11 +110,11 @@ class Feed:
         if images:
             features = self.features[self.images_fed : self.images_fed + images]
             self.images_fed += images
-        return StepInput(kv=self.kv, ids=chunk, image_features=features)
+        return StepInput(kv=kv, ids=chunk, image_features=features)
 
-    def rewind(self, store) -> None:
+    def rewind(self, memory: MemoryManager) -> None:
         self.fed, self.images_fed, length = self._undo
-        store.rewind(self.kv, length)
+        memory.rewind(self.holding, length)
 
     def append(self, token_id: int) -> None:
         self.ids.append(token_id)
@@ -97,10 +123,10 @@ class Feed:
 class _Request:
     order_key: str | None = None
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, context: RequestContext, deadline_s: float):
+        self.context = context
         self.arrived = time.monotonic()
-        self.deadline = self.arrived + engine.config.turn_deadline_s
+        self.deadline = self.arrived + deadline_s
         self.future: Future = Future()
         self.feed: Feed | None = None
 
@@ -112,7 +138,7 @@ class _Request:
         return self.feed.take(n)
 
     def rewind(self) -> None:
-        self.feed.rewind(self.engine.store)
+        self.feed.rewind(self.context.memory)
 
 
 class OpenRequest(_Request):
@@ -120,21 +146,37 @@ class OpenRequest(_Request):
 
     prefilling = True
 
-    def __init__(self, engine: Engine, pixels: torch.Tensor | None, session_id: str | None):
-        super().__init__(engine)
+    def __init__(
+        self,
+        context: RequestContext,
+        deadline_s: float,
+        pixels: torch.Tensor | None,
+        session_id: str | None,
+    ):
+        super().__init__(context, deadline_s)
         self.pixels = pixels
         self.session_id = session_id
         self.features: torch.Tensor | None = None
+        self.holding: Holding | None = None
 
-    def admit(self) -> None:
-        engine = self.engine
-        if self.pixels is not None and self.features is None:  # kept if Busy makes it wait
-            self.features = engine._image_features(self.pixels)
+    def admit(self) -> Shortfall | None:
+        context = self.context
+        if self.pixels is not None and self.features is None:  # kept if a shortfall waits
+            self.features = context.encode_image(self.pixels)
         image_tokens = 0 if self.features is None else self.features.shape[0]
-        ids = engine.loaded.prompt.opening_ids(self.features is not None, image_tokens)
-        kv = engine.pool.new_kv()
-        engine.store.reserve(kv, len(ids))
-        self.feed = Feed(kv, ids, self.features, engine.image_token_id)
+        ids = context.prompt.opening_ids(self.features is not None, image_tokens)
+        holding = context.memory.hold()
+        try:
+            shortfall = context.memory.reserve(holding, len(ids), self.features)
+        except BaseException:
+            context.memory.release(holding)
+            raise
+        if shortfall is not None:
+            context.memory.release(holding)
+            return shortfall
+        self.holding = holding
+        self.feed = Feed(holding, ids, self.features, context.image_token_id)
+        return None
 
     def stop_reason(self, now: float) -> str | None:
         return None  # one prefill: it ends at once
@@ -143,83 +185,90 @@ class OpenRequest(_Request):
         return None if self.feed.pending else EOS
 
     def finish(self, reason: str) -> None:
-        store = self.engine.store
+        registry = self.context.registry
         feed = self.feed
-        session = Session(
-            self.session_id or new_session_id(), feed.ids, self.features, feed.kv, last_used=0.0
-        )
-        store.add(session)
-        self.feed = None  # the session owns the KV now
+        session = Session(self.session_id or new_session_id(), feed.ids, self.holding)
+        registry.add(session)
+        self.holding = None  # the session owns it now
         self.future.set_result(
             Opened(
                 session_id=session.session_id,
-                expires_at=store.expires_at(session),
+                expires_at=registry.expires_at(session),
                 prefill_tokens=len(feed.ids),
-                image_tokens=0 if self.features is None else self.features.shape[0],
+                image_tokens=session.image_tokens,
             )
         )
 
     def fail(self, error: BaseException) -> None:
-        if self.feed is not None:
-            self.engine.store.release(self.feed.kv)
+        if self.holding is not None:
+            self.context.memory.release(self.holding)
+            self.holding = None
         self.future.set_exception(error)
 
 
 class TurnRequest(_Request):
     def __init__(
         self,
-        engine: Engine,
+        context: RequestContext,
+        deadline_s: float,
         session_id: str,
         question: str,
         params: GenerationParams,
         on_token: Callable[[str, int | None], None] | None,
         cancelled: Callable[[], bool] | None,
     ):
-        super().__init__(engine)
+        super().__init__(context, deadline_s)
         self.order_key = session_id
         self.question = question
         self.params = params
         self.on_token = on_token
         self.cancelled = cancelled
         self.session: Session | None = None
-        eos = engine.loaded.eos_token_ids
-        self.chooser = Chooser(params, eos, engine._banned_ids, engine.device)
-        self.detokenizer = Detokenizer(engine.loaded.tokenizer)
+        self.tier: Tier | None = None  # where the first try found the session's KV
+        self.chooser = Chooser(params, context.eos_token_ids, context.banned_ids, context.device)
+        self.detokenizer = Detokenizer(context.tokenizer)
         self.first_token_at: float | None = None
 
     @property
     def prefilling(self) -> bool:
         return not self.chooser.generated
 
-    def admit(self) -> None:
-        engine, store = self.engine, self.engine.store
-        session = store.begin_turn(self.order_key)
+    def admit(self) -> Shortfall | None:
+        context, registry, memory = self.context, self.context.registry, self.context.memory
+        session = registry.begin_turn(self.order_key)
+        holding = session.holding
         try:
-            self.tier = session.tier
-            first_has_image = not session.messages and session.image_features is not None
+            if self.tier is None:
+                self.tier = session.tier
+            image_tokens = session.image_tokens
+            first_has_image = not session.messages and image_tokens > 0
             self.messages = [*session.messages, user_message(self.question, first_has_image)]
-            features = session.image_features
-            image_tokens = 0 if features is None else features.shape[0]
-            self.prompt = engine.loaded.prompt.ids(self.messages, image_tokens)
-            engine.check_length(len(self.prompt) + self.params.max_new_tokens)
-            kv = session.kv if session.kv is not None else engine.pool.new_kv()
-            self.reused = self._reuse(kv, session.token_ids)
-            store.reserve(kv, len(self.prompt) - self.reused + self.params.max_new_tokens)
+            self.prompt = context.prompt.ids(self.messages, image_tokens)
+            context.check_length(len(self.prompt) + self.params.max_new_tokens)
+            shortfall = None
+            if session.tier is Tier.HOST:  # its KV comes back first: then reuse it as usual
+                shortfall = memory.reserve(holding, 0)
+            if shortfall is None:
+                self.reused = self._reuse(holding, session.token_ids)
+                extra = len(self.prompt) - self.reused + self.params.max_new_tokens
+                shortfall = memory.reserve(holding, extra)
         except BaseException:
-            store.end_turn(session)
+            registry.end_turn(session)
             raise
-        session.kv = kv
+        if shortfall is not None:
+            registry.end_turn(session)
+            return shortfall
         self.session = session
         reused = self.prompt[: self.reused]
+        images_fed = reused.count(context.image_token_id)
+        # the features leave their blocks only for a prefill that feeds image tokens
+        features = memory.features(holding) if images_fed < image_tokens else None
         self.feed = Feed(
-            kv,
-            self.prompt[self.reused :],
-            features,
-            engine.image_token_id,
-            images_fed=reused.count(engine.image_token_id),
+            holding, self.prompt[self.reused :], features, context.image_token_id, images_fed
         )
+        return None
 
-    def _reuse(self, kv: SessionKV, history: list[int]) -> int:
+    def _reuse(self, holding: Holding, history: list[int]) -> int:
         """Crop the KV to the longest prefix it shares with the prompt; return its length.
 
         Usually that is everything cached (the prompt only appends). It is less where the
@@ -227,11 +276,13 @@ class TurnRequest(_Request):
         differently inside the next prompt (docs/design.md §Canonical prompt): the prompt is
         the checkpoint's canonical tokenization, so the differing tail is prefilled again.
         """
-        held = history[: kv.length]
+        if holding.kv is None:
+            return 0
+        held = history[: holding.kv.length]
         # at least one id is prefilled: its logits start the answer
         reused = min(common_prefix_length(self.prompt, held), len(self.prompt) - 1)
-        if reused < kv.length:
-            self.engine.store.crop(kv, reused)
+        if reused < holding.kv.length:
+            self.context.memory.crop(holding, reused)
         return reused
 
     def stop_reason(self, now: float) -> str | None:
@@ -261,7 +312,7 @@ class TurnRequest(_Request):
         held_back = self.detokenizer.flush()
         if held_back:
             self._emit(held_back, None)
-        store, session = self.engine.store, self.session
+        registry, memory, session = self.context.registry, self.context.memory, self.session
         generated = self.chooser.generated
         text = self.detokenizer.text
         # No end token in the history: the chat template renders none after an answer, so
@@ -270,10 +321,10 @@ class TurnRequest(_Request):
         session.token_ids = self.prompt + answer_ids
         session.messages = [*self.messages, assistant_message(text)]
         session.turns += 1
-        store.crop(session.kv, session.kv.length)  # the blocks reserved but not written
-        store.end_turn(session)
+        memory.crop(session.holding, session.kv.length)  # the blocks reserved but not written
+        registry.end_turn(session)
         self.session = None
-        store.record_turn(len(self.prompt) - self.reused, self.reused)
+        registry.record_turn(len(self.prompt) - self.reused, self.reused)
         now = time.monotonic()
         self.future.set_result(
             Answer(
@@ -287,14 +338,14 @@ class TurnRequest(_Request):
                 tier=self.tier,
                 ttft_s=(self.first_token_at or now) - self.arrived,
                 total_s=now - self.arrived,
-                expires_at=store.expires_at(session),  # the turn restarted the idle clock
+                expires_at=registry.expires_at(session),  # the turn restarted the idle clock
             )
         )
 
     def fail(self, error: BaseException) -> None:
         session = self.session
         if session is not None:  # the KV may hold a partial turn; history and messages do not
-            self.engine.store.demote(session)
-            self.engine.store.end_turn(session)
+            self.context.memory.drop_kv(session.holding)
+            self.context.registry.end_turn(session)
             self.session = None
         self.future.set_exception(error)
