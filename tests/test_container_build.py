@@ -1,10 +1,11 @@
-"""The image's build side, without a Docker engine (none exists here):
+"""The image's build side, without a Docker engine (the container tier builds and runs the
+image itself: tests/test_container_image.py):
 
 - the files the Dockerfile copies are enough to run the entrypoint (run from a copy of just
   those files, with the image's PYTHONPATH);
 - scripts/build_and_push.sh calls ECR login, build, tag and push in order, with `docker` and
-  `aws` replaced by stubs that record their arguments (stand-ins only because neither a Docker
-  engine nor an AWS account is reachable here), and fails with a readable line when it must.
+  `aws` replaced by stubs that record their arguments (stand-ins because no AWS account, hence
+  no ECR to push to, is reachable here), and fails with a readable line when it must.
 
 hadolint and shellcheck run in `make lint`.
 """
@@ -38,11 +39,14 @@ def test_image_files_are_enough_to_run_the_entrypoint(tmp_path):
     image = tmp_path / "opt" / "stateful-llava"
     image.mkdir(parents=True)
     for source in dockerfile_copies():
-        path = REPO / source
+        path, target = REPO / source, image / source
+        target.parent.mkdir(parents=True, exist_ok=True)
         if path.is_dir():
-            shutil.copytree(path, image / source, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                path, target, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True
+            )
         else:
-            shutil.copy(path, image / source)
+            shutil.copy(path, target)
     (tmp_path / "model").mkdir()
     env = {
         **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # none in the image
