@@ -28,6 +28,7 @@ from botocore.exceptions import ClientError
 from llava_client.errors import LlavaError, SessionGone, from_client_error, from_stream_error
 from llava_client.images import image_source
 from llava_client.jsonlines import JsonLines
+from llava_client.limits import request_body
 
 logger = logging.getLogger(__name__)
 NEW_SESSION = "NEW_SESSION"
@@ -80,7 +81,7 @@ class LlavaClient:
                 SessionId=session_id,
                 ContentType="application/json",
                 Accept="application/json",
-                Body=json.dumps(body),
+                Body=request_body(body),
             )
         except ClientError as err:
             raise from_client_error(err, with_session=session_id != NEW_SESSION) from err
@@ -91,7 +92,7 @@ class LlavaClient:
                 EndpointName=self.endpoint_name,
                 SessionId=session_id,
                 ContentType="application/json",
-                Body=json.dumps(body),
+                Body=request_body(body),
             )
         except ClientError as err:
             raise from_client_error(err, with_session=True) from err
