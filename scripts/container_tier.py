@@ -17,7 +17,8 @@
 4. The CPU flavour of the Dockerfile is built (IMAGE), then tests/test_container_image.py runs
    it the way SageMaker does (``docker run IMAGE serve``, the model under /opt/ml/model).
 
-    python scripts/container_tier.py [--flavour cpu|cuda] [--build-only] [pytest args ...]
+    python scripts/container_tier.py [--flavour cpu|cuda] [--build-only] [--run-dir DIR]
+                                     [pytest args ...]
 
 Each step prints its time; logs go to .run/container-tier/. docs/design.md §Container tier.
 """
@@ -40,7 +41,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_DIR = ROOT / ".run" / "container-tier"
+RUN_DIR = ROOT / ".run" / "container-tier"  # --run-dir changes it for the whole run
 BASE = "stateful-llava-base:bookworm"
 IMAGES = {"cpu": "stateful-llava:cpu-test", "cuda": "stateful-llava:cuda-local"}
 ENGINE_START_S = 60
@@ -76,11 +77,17 @@ def _quiet(command: list[str], timeout: float) -> bool:
 def apt_install(*packages: str) -> None:
     """Debian's packages for what is missing (once per machine)."""
     log(f"installing {' '.join(packages)} (apt-get)")
+    quiet = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}  # CI has no stdin
     with open(RUN_DIR / "apt.log", "wb") as out:
         for command in (["apt-get", "update"], ["apt-get", "install", "-y", *packages]):
             try:
                 subprocess.run(
-                    command, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=900
+                    command,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    check=True,
+                    timeout=900,
+                    env=quiet,
                 )
             except (OSError, subprocess.SubprocessError) as e:
                 raise Skip(f"cannot install {' '.join(packages)}: {e}") from None
@@ -226,6 +233,8 @@ def build(flavour: str, pip_args: dict[str, str]) -> None:
     """The Dockerfile's ``flavour`` on the stand-in base. The legacy builder: BuildKit needs
     the buildx plugin (not in Debian's docker.io 20.10) and an entitlement for host network."""
     args = {"BASE_IMAGE": BASE, "TORCH_FLAVOUR": flavour, **pip_args}
+    if flavour == "cuda":  # the find-links' 2.13.0+cpu would win over PyPI's 2.13.0
+        args.pop("PIP_FIND_LINKS", None)
     command = ["docker", "build", "--network", "host", "-t", IMAGES[flavour]]
     for name, value in args.items():
         command += ["--build-arg", f"{name}={value}"]
@@ -262,10 +271,13 @@ def run_tests(image: str, pytest_args: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    global RUN_DIR
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavour", choices=sorted(IMAGES), default="cpu")
     parser.add_argument("--build-only", action="store_true", help="build, run no test")
+    parser.add_argument("--run-dir", type=Path, default=RUN_DIR, help="logs (and temp files)")
     args, pytest_args = parser.parse_known_args(argv)
+    RUN_DIR = args.run_dir
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     try:
