@@ -13,13 +13,6 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
-# TORCH_FLAVOUR: cuda (production; the build fails if torch came without CUDA) or cpu (the test
-# tier's image, built in minutes). TORCH_INDEX: empty = PyPI's default build, else the index
-# of another CUDA version.
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_FLAVOUR=cuda
-ARG TORCH_INDEX=
-
 # NVIDIA_*: the nvidia container runtime mounts the host's driver only when these ask for it.
 # No PYTHONPATH: TorchServe puts it ahead of the extracted .mar in the worker's path, and the
 # worker must import llava/ and handlers/ from the .mar it serves (docker/serve.py finds this
@@ -43,9 +36,14 @@ RUN apt-get update \
 
 WORKDIR /opt/stateful-llava
 
-# PIP_* build arguments reach pip as its environment (the test tier points them at this
-# machine's local wheels and indexes); none is left in the image. Declared here, after the
-# apt layer, which a change of their values would otherwise rebuild.
+# TORCH_FLAVOUR: cuda (production; the build fails if torch came without CUDA) or cpu (the test
+# tier's image, built in minutes). TORCH_INDEX: empty = PyPI's default build, else the index
+# of another CUDA version. PIP_* build arguments reach pip as its environment (the test tier
+# points them at this machine's local wheels and indexes); none is left in the image. All are
+# declared after the apt layer, which a change of their values would otherwise rebuild.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_FLAVOUR=cuda
+ARG TORCH_INDEX=
 ARG PIP_FIND_LINKS
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_CERT
