@@ -1,5 +1,5 @@
-# The public interface: test, demo, serve, stop, mar, bench, notebook, endpoint (names and
-# meaning stay stable).
+# The public interface: test, test-container, demo, serve, stop, mar, bench, notebook, endpoint,
+# image (names and meaning stay stable).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
