@@ -196,11 +196,17 @@ def _follow(path: Path, done: threading.Event) -> None:
     """Copy TorchServe's console output (frontend and worker logs) to ours: the container log."""
     while not path.exists() and not done.wait(0.2):
         pass
+    pending = b""  # a line TorchServe is still writing: never split by an EMF line
     with open(path, "rb") as log:
         while True:
-            if line := log.readline():
-                _print_line(line)
+            if chunk := log.readline():
+                pending += chunk
+                if pending.endswith(b"\n"):
+                    _print_line(pending)
+                    pending = b""
             elif done.wait(0.2):
+                if pending:
+                    _print_line(pending)
                 return
 
 
