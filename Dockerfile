@@ -3,26 +3,27 @@
 # TorchServe on internal ports behind a front on 8080 whose /ping is 200 only once a worker is
 # READY, serving the model SageMaker puts under /opt/ml/model (README "Deploying to SageMaker").
 #
-#   docker build -t stateful-llava .            (scripts/build_and_push.sh also pushes to ECR)
-#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 -t stateful-llava .
-FROM python:3.11-slim-bookworm
-
-# torch's CUDA wheels carry the CUDA runtime libraries (as nvidia-* wheels), so the base image
-# needs no CUDA toolkit; the host supplies only the driver. Pick the index of a CUDA version
-# that the instance type's driver supports.
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+#   make image                                  (docker build -t stateful-llava .)
+#   scripts/build_and_push.sh                   (builds and pushes to ECR)
+#   make test-container                         (the CPU flavour on a local base: the tests)
+#
+# The production build is the defaults: Docker Hub's python base and PyPI's torch, whose CUDA
+# 13.0 build runs on the SageMaker inference AMI `python -m deploy create` asks for (docs/design.md
+# §The image: driver and CUDA).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 
 # NVIDIA_*: the nvidia container runtime mounts the host's driver only when these ask for it.
 # No PYTHONPATH: TorchServe puts it ahead of the extracted .mar in the worker's path, and the
 # worker must import llava/ and handlers/ from the .mar it serves (docker/serve.py finds this
-# directory's packages by itself).
+# directory's packages by itself). A venv: a Debian base's own python3 refuses system-wide pip.
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
 
 # Java 17 for TorchServe's frontend; tini as PID 1, so that `docker stop`'s SIGTERM reaches the
 # entrypoint and exited workers are reaped. Debian's versions are not pinned: a security update
@@ -30,14 +31,30 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends openjdk-17-jre-headless tini \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
 
 WORKDIR /opt/stateful-llava
 
-# torch first and from the CUDA index: anything installed before it that depends on torch would
-# pull PyPI's default build. The check fails the build if a CPU-only torch got in anyway.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}" \
-    && python -c "import sys, torch; sys.exit(torch.version.cuda is None)"
+# TORCH_FLAVOUR: cuda (production; the build fails if torch came without CUDA) or cpu (the test
+# tier's image, built in minutes). TORCH_INDEX: empty = PyPI's default build, else the index
+# of another CUDA version. PIP_* build arguments reach pip as its environment (the test tier
+# points them at this machine's local wheels and indexes); none is left in the image. All are
+# declared after the apt layer, which a change of their values would otherwise rebuild.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_FLAVOUR=cuda
+ARG TORCH_INDEX=
+ARG PIP_FIND_LINKS
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_CERT
+
+# torch first: anything installed before it that depends on torch would pull PyPI's default
+# build. docker/check_torch.py fails the build if torch is not of TORCH_FLAVOUR. (hadolint cannot
+# see the pin through the optional --index-url.)
+COPY docker/check_torch.py docker/
+# hadolint ignore=DL3013
+RUN pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX:+--index-url "${TORCH_INDEX}"} \
+    && python docker/check_torch.py "${TORCH_FLAVOUR}"
 
 # The project with its serving extra (TorchServe, archiver, PyYAML, psutil), then the code the
 # entrypoint runs from this directory (it archives llava/ and handlers/ for a bare checkpoint).
@@ -47,7 +64,7 @@ COPY llava llava
 COPY handlers handlers
 # hadolint ignore=DL3013
 RUN pip install ".[engine,serve]" \
-    && python -c "import sys, torch; sys.exit(torch.version.cuda is None)"
+    && python docker/check_torch.py "${TORCH_FLAVOUR}"
 COPY config.properties model-config.yaml ./
 COPY scripts scripts
 COPY docker docker

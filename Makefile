@@ -1,5 +1,5 @@
-# The public interface: test, demo, serve, stop, mar, bench, notebook, endpoint, capacity (names and
-# meaning stay stable).
+# The public interface: test, test-container, demo, serve, stop, mar, bench, notebook,
+# endpoint, image, capacity (names and meaning stay stable).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,8 +17,8 @@ ENDPOINT_INSTANCES ?= 2
 ENDPOINT_PORT ?= 8090
 ENDPOINT_DIR ?= .run/endpoint
 
-.PHONY: setup test lint demo bench build-demo-model mar demo-mar serve stop endpoint notebook \
-	capacity clean
+.PHONY: setup test test-container lint demo bench build-demo-model mar demo-mar serve stop endpoint \
+	notebook image capacity clean
 
 # CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
 # fresh checkout (or after `rm -rf .venv`) installs that build of torch 2.13.0 instead.
@@ -44,6 +44,21 @@ lint: setup
 # The TorchServe tests serve the demo model's .mar (model-store/llava.mar).
 test: setup lint demo-mar
 	$(PY) -m pytest -q
+
+# The container tier (.ci/run runs it after `test`): starts a Docker engine if none answers
+# (installing Debian's docker.io if missing), makes the stand-in base image once, builds the
+# CPU flavour and runs it as SageMaker does (scripts/container_tier.py). One line and no
+# failure if Docker cannot start on this machine.
+test-container: setup demo-mar
+	$(PY) scripts/container_tier.py
+
+# The production image (CUDA torch; Docker Hub's python base): `docker build` of the Dockerfile.
+# IMAGE_BUILD_FLAGS e.g. "--network host" where the build needs the host's network, or
+# "--build-arg TORCH_INDEX=<PyTorch wheel index>" for another CUDA version.
+IMAGE_NAME ?= stateful-llava
+IMAGE_BUILD_FLAGS ?=
+image:
+	docker build $(IMAGE_BUILD_FLAGS) -t $(IMAGE_NAME) .
 
 # Archives, serves on loopback, chats about a demo image, closes, stops (see scripts/demo.py).
 demo: demo-mar

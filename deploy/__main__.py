@@ -4,7 +4,8 @@
         --model-data s3://bucket/llava-1.5-7b-hf/ --role arn:aws:iam::<account>:role/<role> \\
         [--instance-type ml.g5.2xlarge] [--instance-count 1] \\
         [--startup-timeout 1800] [--download-timeout 1800] \\
-        [--env LLAVA_SESSION_TTL_S=600 ...] [--no-wait] [--region eu-west-1]
+        [--env LLAVA_SESSION_TTL_S=600 ...] [--inference-ami-version VERSION|default] \\
+        [--no-wait] [--region eu-west-1]
     python -m deploy delete --name llava-chat [--region eu-west-1]
 
 ``create`` prints the names of what it created, one per line, and exits 0 once the endpoint is
@@ -21,7 +22,7 @@ import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 from sagemaker.core.utils.exceptions import SageMakerCoreError
 
-from deploy.endpoint import DeploySpec, create, delete
+from deploy.endpoint import INFERENCE_AMI_VERSION, DeploySpec, create, delete
 
 
 def _env_pair(text: str) -> tuple[str, str]:
@@ -52,6 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     up.add_argument("--startup-timeout", default=1800, type=int, help="seconds to a 200 /ping")
     up.add_argument("--download-timeout", default=1800, type=int, help="seconds to copy the data")
     up.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE")
+    up.add_argument(
+        "--inference-ami-version",
+        default=INFERENCE_AMI_VERSION,
+        help="the instance's AMI, whose NVIDIA driver must run the image's CUDA build "
+        f"(default {INFERENCE_AMI_VERSION}: driver 580, for PyPI's CUDA 13.0 torch); "
+        "'default': SageMaker's choice",
+    )
     up.add_argument("--no-wait", action="store_true", help="return once creation has started")
     down = commands.add_parser(
         "delete", parents=[common], help="the endpoint, its endpoint config and models"
@@ -75,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                 startup_timeout_s=args.startup_timeout,
                 download_timeout_s=args.download_timeout,
                 environment=dict(args.env),
+                inference_ami_version=(
+                    None if args.inference_ami_version == "default" else args.inference_ami_version
+                ),
             )
             for line in create(spec, session, wait=not args.no_wait).lines():
                 print(line)

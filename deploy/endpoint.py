@@ -22,6 +22,10 @@ from sagemaker.core.shapes import (
 
 # SageMaker's upper bound for both timeouts (ProductionVariant), in seconds.
 MAX_TIMEOUT_S = 3600
+# The inference AMI whose NVIDIA driver runs the image's torch: PyPI's torch 2.13.0 is a CUDA 13.0
+# build, which needs driver 580 or newer, and of the AMIs botocore's model lists only this one
+# has it (driver 580, CUDA 13.0). docs/design.md §The image: driver and CUDA.
+INFERENCE_AMI_VERSION = "al2023-ami-sagemaker-inference-gpu-4-1"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class DeploySpec:
     startup_timeout_s: int = 1800  # ContainerStartupHealthCheckTimeoutInSeconds
     download_timeout_s: int = 1800  # ModelDataDownloadTimeoutInSeconds
     environment: dict[str, str] = field(default_factory=dict)  # LLAVA_* settings and the like
+    inference_ami_version: str | None = INFERENCE_AMI_VERSION  # None: SageMaker's default AMI
 
     def __post_init__(self) -> None:
         if not self.model_data.startswith("s3://"):
@@ -125,6 +130,7 @@ def create(
                     initial_instance_count=spec.instance_count,
                     container_startup_health_check_timeout_in_seconds=spec.startup_timeout_s,
                     model_data_download_timeout_in_seconds=spec.download_timeout_s,
+                    inference_ami_version=spec.inference_ami_version,
                 )
             ],
             session=session,

@@ -14,7 +14,9 @@ it answers 200; model data is under ``/opt/ml/model``. This process
 4. when the READY worker dies, restarts the whole TorchServe instance (scripts/supervisor.py;
    TorchServe 0.12's own restart of an async worker never serves again): ``/ping`` is 503 and
    ``/invocations`` a 503 ``NOT_READY`` meanwhile, sessions are gone (400 ``SESSION_NOT_FOUND``);
-5. exits 1 when TorchServe exits, when the worker crash-loops while loading, when no worker is
+5. writes the session metrics as CloudWatch embedded-metric-format lines on stdout
+   (docker/emf.py), at once when they change and at least every ``SERVE_METRICS_INTERVAL_S``;
+6. exits 1 when TorchServe exits, when the worker crash-loops while loading, when no worker is
    READY within ``SERVE_STARTUP_TIMEOUT_S``, or when the worker died more than
    ``SERVE_MAX_RESTARTS`` times within ``SERVE_RESTART_WINDOW_S``; exits 0 on SIGTERM after
    stopping TorchServe. A container that exits is restarted or replaced by SageMaker, which is
@@ -31,6 +33,8 @@ entrypoint's own settings, all overridable so that tests run it unprivileged on 
     SERVE_STARTUP_TIMEOUT_S  1800         from start to a READY worker
     SERVE_MAX_RESTARTS       3            whole-instance restarts allowed within ...
     SERVE_RESTART_WINDOW_S   600          ... this many seconds; one more worker death: exit 1
+    SERVE_METRICS_INTERVAL_S 60           EMF lines at least this often (0: none at all)
+    SERVE_METRICS_NAMESPACE  StatefulLlava  their CloudWatch namespace
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +55,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from front import Front  # noqa: E402 (docker/ is this script's own directory)
+from emf import NAMESPACE, EmfReporter  # noqa: E402 (docker/ is this script's own directory)
+from front import Front  # noqa: E402
 
 from llava.config import (  # noqa: E402
     EngineConfig,
@@ -80,6 +86,8 @@ class Settings:
     startup_timeout_s: float = 1800.0
     max_restarts: int = 3
     restart_window_s: float = 600.0
+    metrics_interval_s: float = 60.0
+    metrics_namespace: str = NAMESPACE
 
     @classmethod
     def from_env(cls, environ: dict[str, str]) -> Settings:
@@ -102,6 +110,12 @@ class Settings:
                 restart_window_s=float(
                     environ.get("SERVE_RESTART_WINDOW_S", defaults.restart_window_s)
                 ),
+                metrics_interval_s=float(
+                    environ.get("SERVE_METRICS_INTERVAL_S", defaults.metrics_interval_s)
+                ),
+                metrics_namespace=environ.get(
+                    "SERVE_METRICS_NAMESPACE", defaults.metrics_namespace
+                ),
             )
         except ValueError as e:
             raise SettingError(f"bad SERVE_* setting: {e}") from None
@@ -110,6 +124,8 @@ class Settings:
                 "SERVE_TS_PORTS must be three ports (inference,management,metrics) "
                 f"other than the public port {settings.port}"
             )
+        if settings.metrics_interval_s < 0:
+            raise SettingError("SERVE_METRICS_INTERVAL_S must be 0 (off) or more seconds")
         return settings
 
 
@@ -167,17 +183,49 @@ def _on_signal(signum, frame) -> None:
     raise Stopped(signal.Signals(signum).name)
 
 
+_stdout = threading.Lock()  # whole lines: TorchServe's log and EMF lines share stdout
+
+
+def _print_line(line: bytes) -> None:
+    with _stdout:
+        sys.stdout.buffer.write(line if line.endswith(b"\n") else line + b"\n")
+        sys.stdout.flush()
+
+
 def _follow(path: Path, done: threading.Event) -> None:
     """Copy TorchServe's console output (frontend and worker logs) to ours: the container log."""
     while not path.exists() and not done.wait(0.2):
         pass
+    pending = b""  # a line TorchServe is still writing: never split by an EMF line
     with open(path, "rb") as log:
         while True:
-            if line := log.readline():
-                sys.stdout.buffer.write(line)
-                sys.stdout.flush()
+            if chunk := log.readline():
+                pending += chunk
+                if pending.endswith(b"\n"):
+                    _print_line(pending)
+                    pending = b""
             elif done.wait(0.2):
+                if pending:
+                    _print_line(pending)
                 return
+
+
+def _report_metrics(settings: Settings, metrics_port: int, name: str, done: threading.Event):
+    """EMF lines from TorchServe's metrics endpoint until ``done`` (docker/emf.py)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.read().decode("utf-8", errors="replace")
+
+    reporter = EmfReporter(
+        scrape,
+        lambda line: _print_line(line.encode()),
+        name,
+        settings.metrics_interval_s,
+        settings.metrics_namespace,
+    )
+    reporter.run(done, poll_s=min(1.0, settings.metrics_interval_s))
 
 
 def serve(settings: Settings) -> int:
@@ -201,6 +249,10 @@ def serve(settings: Settings) -> int:
     done = threading.Event()
     (ts.root / "torchserve.out").unlink(missing_ok=True)  # the follower must see the new one
     threading.Thread(target=_follow, args=(ts.root / "torchserve.out", done), daemon=True).start()
+    if settings.metrics_interval_s > 0:
+        threading.Thread(
+            target=_report_metrics, args=(settings, metrics, name, done), daemon=True
+        ).start()
     began = time.monotonic()
     print(f"serve: {name} from {store} on {settings.host}:{settings.port}", flush=True)
     try:

@@ -33,6 +33,7 @@ from botocore.exceptions import ClientError
 from llava_client.errors import LlavaError, SessionGone, from_client_error, from_stream_error
 from llava_client.images import image_source
 from llava_client.jsonlines import JsonLines
+from llava_client.limits import request_body
 
 logger = logging.getLogger(__name__)
 NEW_SESSION = "NEW_SESSION"
@@ -103,24 +104,26 @@ class LlavaClient:
         return session_id.strip(), expires.strip().removeprefix("Expires=")
 
     def _invoke(self, body: dict, session_id: str) -> dict:
+        payload = request_body(body)  # too large for SageMaker: refused before any call
         return self._retrying_busy(
             lambda: self.runtime.invoke_endpoint(
                 EndpointName=self.endpoint_name,
                 SessionId=session_id,
                 ContentType="application/json",
                 Accept="application/json",
-                Body=json.dumps(body),
+                Body=payload,
             ),
             with_session=session_id != NEW_SESSION,
         )
 
     def _stream(self, body: dict, session_id: str):
+        payload = request_body(body)
         reply = self._retrying_busy(
             lambda: self.runtime.invoke_endpoint_with_response_stream(
                 EndpointName=self.endpoint_name,
                 SessionId=session_id,
                 ContentType="application/json",
-                Body=json.dumps(body),
+                Body=payload,
             ),
             with_session=True,
         )

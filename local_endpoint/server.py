@@ -10,6 +10,9 @@ session header ``X-Amzn-SageMaker-Session-Id``:
   ``X-Amzn-SageMaker-Closed-Session-Id`` unbinds the id.
 * none: a stateless call, to the least-loaded instance.
 
+A body over SageMaker's 6 MB cap (``MAX_BODY_BYTES``) is refused with a 400 ``ValidationError``
+before any container sees it, as SageMaker refuses it.
+
 A container reply other than 200 becomes what SageMaker makes of it: 424 ``ModelError`` with
 ``OriginalStatusCode`` and ``OriginalMessage`` (the container's body). Streamed replies are
 framed as ``PayloadPart`` events. Every reply names the instance in ``X-Local-Endpoint-Instance``
@@ -35,6 +38,8 @@ INSTANCE_HEADER = "X-Local-Endpoint-Instance"
 NEW_SESSION = "NEW_SESSION"
 SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")  # botocore's SessionId pattern
 FORWARDED = ("Content-Type", "Accept", "X-Amzn-SageMaker-Custom-Attributes", SESSION_HEADER)
+# InvokeEndpoint's Body is at most 6 MB: botocore's sagemaker-runtime model (BodyBlob max).
+MAX_BODY_BYTES = 6 * 1024 * 1024
 _ROUTE = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
 
 
@@ -53,6 +58,15 @@ class Rejected(Exception):
 
 def validation_error(message: str) -> Rejected:
     return Rejected(400, "ValidationError", message)
+
+
+def oversize(length: int) -> Rejected:
+    """SageMaker's answer to a body over its cap (the message as seen from SageMaker, with the
+    sizes added)."""
+    return validation_error(
+        f"Request {uuid.uuid4()} has oversize body: {length} bytes, the limit is "
+        f"{MAX_BODY_BYTES} bytes."
+    )
 
 
 def model_error(status: int, body: bytes) -> Rejected:
@@ -113,7 +127,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._reject(Rejected(404, "UnknownOperationException", f"no route {self.path}"))
 
     def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            self._drain(length)
+            self._reject(oversize(length))
+            return
+        body = self.rfile.read(length)
         try:
             route = _ROUTE.fullmatch(urlsplit(self.path).path)
             if route is None:
@@ -125,6 +144,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._invoke(body, self.headers.get(SESSION_HEADER), streaming)
         except Rejected as rejected:
             self._reject(rejected)
+
+    def _drain(self, length: int) -> None:
+        """Read and drop a refused body: a client still sending would see a reset instead of
+        the answer."""
+        while length > 0 and (chunk := self.rfile.read(min(length, 1 << 20))):
+            length -= len(chunk)
 
     def _invoke(self, body: bytes, session_id: str | None, streaming: bool) -> None:
         if session_id is None or session_id == NEW_SESSION:

@@ -14,10 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
+from llava_client import LlavaClient
 from llava_client.errors import LlavaError, SessionGone, from_client_error
 from llava_client.images import image_source
 from llava_client.jsonlines import JsonLines
 from local_endpoint import eventstream
+from scripts.torchserve_ctl import free_ports
+from tests.endpoint_helpers import DUMMY_CREDENTIALS
 
 
 def decode(stream: bytes) -> list:
@@ -77,6 +80,17 @@ def test_image_sources():
         image_source("cat.png")
     with pytest.raises(TypeError):
         image_source(3.5)
+
+
+def test_a_request_over_sagemakers_6_mb_is_refused_before_it_is_sent():
+    """Nothing listens at the endpoint URL: a request that went out would fail to connect."""
+    nowhere = f"http://127.0.0.1:{free_ports(1)[0]}"
+    client = LlavaClient("x", endpoint_url=nowhere, **DUMMY_CREDENTIALS)
+    with pytest.raises(LlavaError) as raised:
+        client.open(b"\xff" * (4_800_000))  # 6.4 MB as base64
+    assert raised.value.code == "REQUEST_TOO_LARGE"
+    assert "URL" in raised.value.message and "s3://" in raised.value.message
+    assert "6,291,456" in raised.value.message
 
 
 def client_error(code: str, status: int, **fields) -> ClientError:

@@ -1,10 +1,15 @@
-"""The image's build side, without a Docker engine (none exists here):
+"""The image's build side, without a Docker engine (the container tier builds and runs the
+image itself: tests/test_container_image.py):
 
 - the files the Dockerfile copies are enough to run the entrypoint (run from a copy of just
   those files, with the image's PYTHONPATH);
 - scripts/build_and_push.sh calls ECR login, build, tag and push in order, with `docker` and
-  `aws` replaced by stubs that record their arguments (stand-ins only because neither a Docker
-  engine nor an AWS account is reachable here), and fails with a readable line when it must.
+  `aws` replaced by stubs that record their arguments (stand-ins because no AWS account, hence
+  no ECR to push to, is reachable here), and fails with a readable line when it must.
+
+- the container tier (scripts/container_tier.py) skips with one line only when the Docker engine
+  cannot start, and fails when a build fails (docker and dockerd replaced by stubs: the real
+  ones are what the tier itself runs).
 
 hadolint and shellcheck run in `make lint`.
 """
@@ -38,11 +43,14 @@ def test_image_files_are_enough_to_run_the_entrypoint(tmp_path):
     image = tmp_path / "opt" / "stateful-llava"
     image.mkdir(parents=True)
     for source in dockerfile_copies():
-        path = REPO / source
+        path, target = REPO / source, image / source
+        target.parent.mkdir(parents=True, exist_ok=True)
         if path.is_dir():
-            shutil.copytree(path, image / source, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                path, target, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True
+            )
         else:
-            shutil.copy(path, image / source)
+            shutil.copy(path, target)
     (tmp_path / "model").mkdir()
     env = {
         **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # none in the image
@@ -132,3 +140,49 @@ def test_build_and_push_failures_say_what_to_do(tmp_path, sts, args, message):
     assert message in run.stderr
     log = tmp_path / "calls.log"
     assert "docker build" not in (log.read_text() if log.exists() else "")
+
+
+TIER_STUB = """#!/bin/sh
+echo "$(basename "$0") $*" >> "{log}"
+case "$(basename "$0") $1" in
+  "docker info") {info} ;;
+  "docker build") echo "Step 10/23 : RUN apt-get update"; echo "E: no network"; exit 1 ;;
+  "dockerd "*) echo "failed to start daemon: permission denied"; exit 1 ;;
+esac
+"""
+
+
+def container_tier(tmp_path: Path, info: str) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("docker", "dockerd", "debootstrap"):
+        stub = bin_dir / tool
+        stub.write_text(TIER_STUB.format(log=tmp_path / "calls.log", info=info))
+        stub.chmod(0o755)
+    return subprocess.run(
+        [sys.executable, REPO / "scripts" / "container_tier.py", "--run-dir", tmp_path / "run"],
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_container_tier_skips_with_one_line_only_when_docker_cannot_start(tmp_path):
+    run = container_tier(tmp_path, info="exit 1")  # no engine answers, and dockerd fails
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "container tier: SKIPPED, Docker cannot run here: dockerd exited with 1: "
+        "failed to start daemon: permission denied"
+    ]
+    assert "docker build" not in (tmp_path / "calls.log").read_text()
+
+
+def test_the_container_tier_fails_when_the_image_does_not_build(tmp_path):
+    run = container_tier(tmp_path, info="exit 0")  # an engine answers, the base is "cached"
+    assert run.returncode == 1
+    assert (
+        run.stdout.splitlines()[-1] == "container tier: FAILED: docker build failed: E: no network"
+    )
+    calls = (tmp_path / "calls.log").read_text()
+    assert "--network host" in calls and "--build-arg TORCH_FLAVOUR=cpu" in calls

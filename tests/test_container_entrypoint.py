@@ -2,8 +2,8 @@
 TorchServe started from a temporary directory laid out as SageMaker lays out /opt/ml/model,
 on 127.0.0.1 and free ports (the SERVE_* overrides), with the demo model.
 
-No Docker engine exists here, so the image itself is not built by these tests; everything the
-entrypoint does inside it is.
+The image itself is built and run by the container tier (tests/test_container_image.py); these
+tests cover what the entrypoint does inside it, quickly and without Docker.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import requests
 from scripts.make_mar import build_mar
 from scripts.torchserve_ctl import free_ports
 from tests.conftest import DEMO_MODEL_DIR, REPO
+from tests.container_helpers import FrontClient
 
 pytestmark = pytest.mark.torchserve
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 MAR = REPO / "model-store" / "llava.mar"
-SESSION = "X-Amzn-SageMaker-Session-Id"
 START_S = 240  # bound on start to READY, and on a failing start to exit
 
 
@@ -49,7 +49,7 @@ def lay_out(model_dir: Path, kind: str) -> Path:
     return model_dir
 
 
-class Container:
+class Container(FrontClient):
     """docker/entrypoint.sh serve as a process, its paths and ports overridden."""
 
     def __init__(self, tmp: Path, model_dir: Path, **env: str):
@@ -74,12 +74,6 @@ class Container:
                 [ENTRYPOINT, "serve"], env=environ, stdout=log, stderr=subprocess.STDOUT
             )
 
-    def ping(self) -> int | None:
-        try:
-            return requests.get(f"{self.url}/ping", timeout=10).status_code
-        except requests.ConnectionError:
-            return None  # the front is not listening yet (or any more)
-
     def torchserve_ping(self) -> int | None:
         try:
             return requests.get(
@@ -90,19 +84,6 @@ class Container:
 
     def worker_ready(self) -> bool:
         return self.ready_worker_pid() is not None
-
-    def ready_worker_pid(self) -> int | None:
-        try:
-            workers = requests.get(f"{self.management_url}/models/llava", timeout=10).json()
-            return next((w["pid"] for w in workers[0]["workers"] if w["status"] == "READY"), None)
-        except (requests.RequestException, ValueError, LookupError):
-            return None
-
-    def invoke(self, body: dict, session_id: str | None = None, **kwargs) -> requests.Response:
-        headers = {SESSION: session_id} if session_id else {}
-        return requests.post(
-            f"{self.url}/invocations", json=body, headers=headers, timeout=60, **kwargs
-        )
 
     def descendants(self) -> list[psutil.Process]:
         try:

@@ -113,12 +113,22 @@ def test_create_makes_model_config_endpoint_as_asked_and_delete_removes_them(sag
     assert (variant["InstanceType"], variant["InitialInstanceCount"]) == (INSTANCE, 2)
     assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 2400
     assert variant["ModelDataDownloadTimeoutInSeconds"] == 1800
+    # driver 580 (botocore's model of the AMIs): what the image's CUDA 13.0 torch needs
+    assert variant["InferenceAmiVersion"] == "al2023-ami-sagemaker-inference-gpu-4-1"
 
     assert deploy("delete", "--name", "llava-chat") == 0
     assert f"deleted model {model_name}" in capsys.readouterr().out
     assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
     assert deploy("delete", "--name", "llava-chat") == 0  # deleting again: nothing to do
     assert "no endpoint llava-chat" in capsys.readouterr().out
+
+
+def test_the_ami_can_be_left_to_sagemaker(sagemaker):
+    """For an image built with --torch-index for a CUDA 12.x that SageMaker's default AMI runs."""
+    assert deploy(*create_args(**{"--inference-ami-version": "default"})) == 0
+    [config] = everything(sagemaker)["configs"]
+    [variant] = sagemaker.describe_endpoint_config(EndpointConfigName=config)["ProductionVariants"]
+    assert "InferenceAmiVersion" not in variant
 
 
 def test_tarball_model_data_is_unpacked(sagemaker):
@@ -165,3 +175,17 @@ def test_env_must_be_key_value(capsys):
     with pytest.raises(SystemExit):
         deploy(*create_args(), "--env", "LLAVA_DEVICE")
     assert "--env wants KEY=VALUE" in capsys.readouterr().err
+
+
+def test_the_default_ami_is_one_botocore_lists_with_the_driver_cuda_13_needs():
+    """The facts behind INFERENCE_AMI_VERSION, read from the installed botocore's SageMaker
+    model: CUDA 13.0 needs NVIDIA driver 580 or newer (NVIDIA's CUDA 13.0 release notes)."""
+    from botocore.loaders import Loader
+
+    from deploy.endpoint import INFERENCE_AMI_VERSION
+
+    shapes = Loader().load_service_model("sagemaker", "service-2")["shapes"]
+    assert INFERENCE_AMI_VERSION in shapes["ProductionVariantInferenceAmiVersion"]["enum"]
+    docs = shapes["ProductionVariant"]["members"]["InferenceAmiVersion"]["documentation"]
+    ours = docs.split(f"<dt>{INFERENCE_AMI_VERSION}</dt>", 1)[1].split("</dd>", 1)[0]
+    assert "NVIDIA driver version: 580" in ours and "CUDA version: 13.0" in ours

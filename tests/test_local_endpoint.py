@@ -132,6 +132,18 @@ def test_container_errors_arrive_as_model_error_with_the_containers_code(rt, cli
     chat.close()
 
 
+def test_a_body_over_6_mb_is_refused_as_sagemaker_refuses_it(rt, images):
+    too_big = json.dumps({"requestType": "NEW_SESSION", "image": {"b64": "A" * (6 << 20)}})
+    with pytest.raises(ClientError) as raised:
+        rt.invoke_endpoint(EndpointName=ENDPOINT, SessionId="NEW_SESSION", Body=too_big)
+    error = raised.value.response  # the endpoint's own answer: a container's would be ModelError
+    assert error["Error"]["Code"] == "ValidationError"
+    assert error["ResponseMetadata"]["HTTPStatusCode"] == 400
+    assert "oversize body" in error["Error"]["Message"]
+    session_id, _ = open_raw(rt, images.url(0))  # the endpoint goes on serving
+    invoke(rt, session_id, {"requestType": "CLOSE_SESSION"})
+
+
 def test_unknown_endpoint_name_is_a_validation_error(rt):
     with pytest.raises(ClientError) as raised:
         rt.invoke_endpoint(EndpointName="no-such-endpoint", Body=b"{}")

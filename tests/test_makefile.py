@@ -35,3 +35,11 @@ def test_setup_on_a_cuda_machine_takes_torch_from_the_index_given(tmp_path):
     # torch alone comes from that index, before anything that depends on it
     assert installs[1] == f"torch==2.13.0 --index-url {index}"
     assert installs[2] == PROJECT
+
+
+def test_image_is_the_production_build_and_the_container_tier_runs_after_test():
+    [build] = [line for line in dry_run("image") if line.startswith("docker")]
+    # the Dockerfile's defaults: CUDA torch (its own check), Docker Hub's python base
+    assert build.split() == ["docker", "build", "-t", "stateful-llava", "."]
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert ci.index("make test-container") > ci.index("make test")
