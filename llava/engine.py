@@ -25,6 +25,7 @@ from llava.logits_mask import banned_token_ids
 from llava.loop import EngineLoop
 from llava.model import LoadedModel, load_model
 from llava.runner import Runner, StepInput
+from llava.sampling import Sampler
 from llava.scheduler import Scheduler
 from llava.store import SessionStore, StoreStats
 from llava.work import Answer, Opened, OpenRequest, TurnRequest
@@ -61,7 +62,9 @@ class Engine:
             loaded.device,
             loaded.dtype,
         )
-        self.runner = Runner(loaded.model, self.pool)
+        vocab = loaded.model.config.text_config.vocab_size
+        sampler = Sampler(vocab, self._banned_ids, loaded.eos_token_ids, loaded.device)
+        self.runner = Runner(loaded.model, self.pool, sampler)
         scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps)
         self.loop = EngineLoop(self.runner, scheduler, time.monotonic).start()
         weakref.finalize(self, self.loop.stop)  # the loop thread ends with its engine
@@ -95,6 +98,7 @@ class Engine:
             self.runner.step([StepInput(kv, ids[:1], None)])  # ids[0]: not an image token
         finally:
             self.store.release(kv)
+        self.runner.capture_graphs(self.loop.scheduler.max_batch)  # CUDA only
 
     # -- the three operations --------------------------------------------------------------
     def open(self, image: Image.Image | None = None, session_id: str | None = None) -> Opened:

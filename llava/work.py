@@ -75,7 +75,7 @@ class Feed:
     def pending(self) -> int:
         return len(self.ids) - self.fed
 
-    def take(self, n: int) -> StepInput:
+    def take(self, n: int, chooser: Chooser | None) -> StepInput:
         self._undo = (self.fed, self.images_fed, self.kv.length)
         chunk = self.ids[self.fed : self.fed + n]
         self.fed += len(chunk)
@@ -84,7 +84,7 @@ class Feed:
         if images:
             features = self.features[self.images_fed : self.images_fed + images]
             self.images_fed += images
-        return StepInput(kv=self.kv, ids=chunk, image_features=features)
+        return StepInput(kv=self.kv, ids=chunk, image_features=features, chooser=chooser)
 
     def rewind(self, store) -> None:
         self.fed, self.images_fed, length = self._undo
@@ -96,6 +96,7 @@ class Feed:
 
 class _Request:
     order_key: str | None = None
+    chooser: Chooser | None = None  # an open's one step needs no id: greedy, ignored
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -109,7 +110,7 @@ class _Request:
         return 0 if self.feed is None else self.feed.pending
 
     def step_input(self, n: int) -> StepInput:
-        return self.feed.take(n)
+        return self.feed.take(n, self.chooser)
 
     def rewind(self) -> None:
         self.feed.rewind(self.engine.store)
@@ -139,7 +140,7 @@ class OpenRequest(_Request):
     def stop_reason(self, now: float) -> str | None:
         return None  # one prefill: it ends at once
 
-    def take(self, logits: torch.Tensor) -> str | None:
+    def take(self, token: int) -> str | None:
         return None if self.feed.pending else EOS
 
     def finish(self, reason: str) -> None:
@@ -183,7 +184,7 @@ class TurnRequest(_Request):
         self.cancelled = cancelled
         self.session: Session | None = None
         eos = engine.loaded.eos_token_ids
-        self.chooser = Chooser(params, eos, engine._banned_ids, engine.device)
+        self.chooser = Chooser(params, eos)
         self.detokenizer = Detokenizer(engine.loaded.tokenizer)
         self.first_token_at: float | None = None
 
@@ -239,10 +240,10 @@ class TurnRequest(_Request):
             return CANCELLED
         return DEADLINE if now >= self.deadline else None
 
-    def take(self, logits: torch.Tensor) -> str | None:
+    def take(self, token: int) -> str | None:
         if self.feed.pending:
             return None  # a prefill chunk that is not the prompt's last
-        token = self.chooser.choose(logits)
+        self.chooser.record(token)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self._emit(self.detokenizer.push(token), token)
