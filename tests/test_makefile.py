@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+import torch
+
 from tests.conftest import REPO
 
 
@@ -35,3 +38,13 @@ def test_setup_on_a_cuda_machine_takes_torch_from_the_index_given(tmp_path):
     # torch alone comes from that index, before anything that depends on it
     assert installs[1] == f"torch==2.13.0 --index-url {index}"
     assert installs[2] == PROJECT
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: gpu-check runs")
+def test_gpu_check_without_cuda_says_so_in_one_line_and_succeeds():
+    done = subprocess.run(
+        ["make", "-s", "gpu-check"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [done.stdout.strip()]
+    assert "no CUDA device" in done.stdout
