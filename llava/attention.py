@@ -13,12 +13,24 @@ CI tests it) and on CUDA (docs/design.md §Paged attention).
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 # Compiled once per process: eager flex_attention is a slow reference that materialises every
-# score. The number of rows changes between steps and turns dynamic after its first recompile
-# (torch's automatic dynamic shapes).
-_compiled_flex = torch.compile(flex_attention, fullgraph=True)
+# score. Each model geometry, pool size and row bucket is its own graph: a test run's many
+# small models need more than dynamo's default limit of 8.
+_compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+# Row counts the kernel is compiled for: a step's rows are padded up to the next (copies of its
+# first row, whose outputs are dropped). Static shapes, because the CPU kernel generated for a
+# dynamic row count failed to build (a C++ error in inductor's template) in some recompiles.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def padded_rows(rows: int) -> int:
+    """The bucket ``rows`` query rows are padded to (a multiple of 64 past the largest)."""
+    return next((b for b in BUCKETS if b >= rows), -(-rows // BUCKETS[-1]) * BUCKETS[-1])
 
 
 def paged_block_mask(
@@ -31,7 +43,12 @@ def paged_block_mask(
     The mask function alone is the whole rule (a slot belongs to the row's sequence, at a
     position up to the row's), so the block lists are only what lets the kernel skip work:
     eager and compiled flex_attention agree."""
-    rows, pool_blocks = tables.shape
+    real, pool_blocks = tables.shape
+    rows = padded_rows(real)
+    if rows != real:  # pad with copies of row 0
+        pad = torch.zeros(rows - real, dtype=torch.long, device=tables.device)
+        tables = torch.cat((tables, tables[pad]))
+        positions = torch.cat((positions, positions[pad]))
     seen = positions + 1  # tokens the row sees
     used = (positions // block_tokens + 1)[:, None]
     logical = torch.arange(pool_blocks, device=tables.device).expand(rows, pool_blocks)
@@ -73,13 +90,19 @@ def paged_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask, scale: float
 ) -> torch.Tensor:
     """``q`` ``[rows, heads, head_dim]`` against one layer of the pool (``keys``/``values``
-    ``[kv_heads, slots, head_dim]``); returns q's shape."""
+    ``[kv_heads, slots, head_dim]``), ``mask`` from ``paged_block_mask`` (its rows padded);
+    returns q's shape."""
+    real = q.shape[0]
+    rows = mask.kv_num_blocks.shape[0]
+    if rows != real:
+        q = torch.cat((q, q[:1].expand(rows - real, *q.shape[1:])))
+    keys, values = keys[None], values[None]
     out = _compiled_flex(
         q[:, :, None],
-        keys[None],
-        values[None],
+        keys,
+        values,
         block_mask=mask,
         scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[0],
+        enable_gqa=q.shape[1] != keys.shape[1],
     )
-    return out[:, :, 0]
+    return out[:real, :, 0]

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from llava.attention import BUCKETS
 from llava.decoding import Chooser
 from llava.sampling import SamplingRows
-
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
@@ -64,10 +63,11 @@ class StaticDecode:
         pad = size - n
         self.ids.copy_(torch.tensor([item.ids[0] for item in batch] + [0] * pad))
         self.positions.copy_(torch.tensor([item.kv.length for item in batch] + [0] * pad))
-        width = self.tables.shape[1]
+        # Only a row's first (position // block_tokens + 1) entries are read: write those.
+        width = max(len(item.kv.blocks) for item in batch)
         tables = [item.kv.blocks + [0] * (width - len(item.kv.blocks)) for item in batch]
-        tables += [[scratch_block] * width] * pad
-        self.tables.copy_(torch.tensor(tables, dtype=torch.int32))
+        self.tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        self.tables[n:, 0] = scratch_block
         rows = sampler.rows(list(choosers) + [choosers[0]] * pad)
         for mine, theirs in zip(
             (self.rows.hold_eos, self.rows.greedy, self.rows.values, self.rows.counters),

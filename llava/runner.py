@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from llava.attention import paged_attention
 from llava.decoding import Chooser
@@ -22,6 +23,16 @@ from llava.graphs import DecodeGraphs
 from llava.kv_pool import KVPool, SessionKV, kv_geometry
 from llava.sampling import Sampler, SamplingRows
 from llava.step_meta import StepBuffers, StepMeta, build_step_meta, row_meta
+
+
+@dataclass(frozen=True)
+class Attending:
+    """What ``_attention`` needs of a step's metadata (a decode-only step's, in ``decode``)."""
+
+    decode_rows: torch.Tensor | None
+    mask: object
+    prefills: list
+
 
 # Rotary types whose frequencies do not depend on the batch: the model's rotary module gives
 # each token the same angles alone or packed. "dynamic" and "longrope" rescale by the largest
@@ -49,7 +60,9 @@ def _layer_problem(layer) -> str | None:
 
 
 class Runner:
-    def __init__(self, model, pool: KVPool, sampler: Sampler | None = None):
+    def __init__(
+        self, model, pool: KVPool, sampler: Sampler | None = None, attention: str | None = None
+    ):
         problem = self.supports(model)
         if problem:
             raise ValueError(f"the step runner cannot run this model: {problem}")
@@ -74,6 +87,14 @@ class Runner:
         self._buffers = StepBuffers(pool.kv.device)
         self._greedy = None  # the chooser of rows that bring none
         self.pool_slots = pool.kv.shape[3]
+        # "paged": one flex_attention call for every decode row; "per_sequence": one SDPA per
+        # sequence over its slots in place. Measured fastest: paged on CUDA (to be confirmed
+        # by make gpu-check), per_sequence on CPU (docs/design.md §Measured: attention candidates).
+        if attention is None:
+            attention = "paged" if pool.kv.device.type == "cuda" else "per_sequence"
+        if attention not in ("paged", "per_sequence"):
+            raise ValueError(f"attention must be 'paged' or 'per_sequence', got {attention!r}")
+        self.attention = attention
         self.graphs = None  # llava.graphs.DecodeGraphs, when captured (CUDA)
 
     @staticmethod
@@ -135,7 +156,7 @@ class Runner:
         each row's next id, on the device."""
         write_slots, mask = row_meta(tables, positions, self.pool.block_tokens, self.pool_slots)
         hidden = self.lm.embed_tokens(ids)
-        logits = self._forward(hidden, positions, write_slots, mask, None)
+        logits = self._forward(hidden, positions, write_slots, Attending(None, mask, []), None)
         return self.sampler.choose(logits, rows)
 
     def capture_graphs(self, max_batch: int) -> DecodeGraphs | None:
@@ -181,19 +202,21 @@ class Runner:
             [item.kv.blocks for item in batch],
             self.pool.block_tokens,
             self.pool_slots,
+            per_sequence=self.attention == "per_sequence",
         )
 
     def _logits(self, batch: list[StepInput], meta: StepMeta) -> torch.Tensor:
         hidden = self._embed(batch, meta)
-        return self._forward(hidden, meta.positions, meta.write_slots, meta.mask, meta.last)
+        return self._forward(hidden, meta.positions, meta.write_slots, meta, meta.last)
 
-    def _forward(self, hidden, positions, write_slots, mask, last) -> torch.Tensor:
-        """The layers over packed tokens; float32 logits at the ``last`` rows (all if None)."""
+    def _forward(self, hidden, positions, write_slots, attending, last) -> torch.Tensor:
+        """The layers over packed tokens; float32 logits at the ``last`` rows (all if None).
+        ``attending``: which rows are decode rows (their block mask) and which prefills."""
         cos, sin = self.lm.rotary_emb(hidden, positions[None])
         rotary = (cos[0, :, None, :], sin[0, :, None, :])  # [T, 1, head_dim]: broadcast on heads
         for index, layer in enumerate(self.lm.layers):
             x = layer.input_layernorm(hidden)
-            hidden = hidden + self._attention(index, layer, x, rotary, write_slots, mask)
+            hidden = hidden + self._attention(index, layer, x, rotary, write_slots, attending)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         if last is not None:
             hidden = hidden[last]
@@ -222,7 +245,7 @@ class Runner:
             hidden[torch.tensor(where, device=hidden.device)] = rows
         return hidden
 
-    def _attention(self, index: int, layer, x: torch.Tensor, rotary, write_slots, mask):
+    def _attention(self, index: int, layer, x: torch.Tensor, rotary, write_slots, attending):
         attn = layer.self_attn
         tokens = x.shape[0]
         q = attn.q_proj(x).view(tokens, self.heads, self.head_dim)
@@ -232,7 +255,25 @@ class Runner:
         keys, values = self.pool.kv[index]  # [kv_heads, slots, head_dim] each
         keys.index_copy_(1, write_slots, k.transpose(0, 1))
         values.index_copy_(1, write_slots, v.transpose(0, 1))
-        out = paged_attention(q, keys, values, mask, attn.scaling).reshape(tokens, -1)
+        gqa = self.heads != self.kv_heads
+        rows = attending.decode_rows
+        if rows is None and not attending.prefills:  # a decode-only step
+            out = paged_attention(q, keys, values, attending.mask, attn.scaling)
+        else:
+            out = torch.empty_like(q)
+            if attending.mask is not None:
+                out[rows] = paged_attention(q[rows], keys, values, attending.mask, attn.scaling)
+            for prefill in attending.prefills:  # prefills are compute-bound: one SDPA each
+                start, stop = prefill.span
+                out[start:stop] = F.scaled_dot_product_attention(
+                    q[start:stop].transpose(0, 1),
+                    keys[:, prefill.slots],
+                    values[:, prefill.slots],
+                    attn_mask=prefill.causal,
+                    scale=attn.scaling,
+                    enable_gqa=gqa,
+                ).transpose(0, 1)
+        out = out.reshape(tokens, -1)
         return attn.o_proj(out)
 
 

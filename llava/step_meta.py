@@ -18,30 +18,46 @@ from llava.attention import paged_block_mask
 
 
 @dataclass(frozen=True)
+class Prefill:
+    """A sequence attended on its own (SDPA over its slots): a prefill chunk, or any sequence
+    with ``per_sequence`` attention."""
+
+    span: tuple[int, int]  # its [start, stop) in the packed tokens
+    slots: slice | torch.Tensor  # pool slots of its positions 0..length+new (slice: in place)
+    causal: torch.Tensor | None  # [new, length + new]: new token i sees the past and new 0..i
+
+
+@dataclass(frozen=True)
 class StepMeta:
     ids: torch.Tensor  # [T] the packed new ids
     positions: torch.Tensor  # [T] each token's position in its sequence
     write_slots: torch.Tensor  # [T] the pool slot its K/V goes to
     last: torch.Tensor  # [sequences] packed index of each sequence's last new token
-    mask: BlockMask  # which pool blocks each token's query reads
+    decode_rows: torch.Tensor | None  # packed index of each one-token sequence; None: all
+    mask: BlockMask | None  # the decode rows' block mask (None: no decode row)
+    prefills: list[Prefill]
 
 
 class StepBuffers:
     """A device buffer for the step's host-made integers, allocated once and grown only when
-    a step needs more (pinned host staging on CUDA, so the copy does not block)."""
+    a step needs more. On CUDA the host side is a pinned staging buffer, so the copy does not
+    block; the next step reuses it only after this step's ids came back (a sync)."""
 
     def __init__(self, device: torch.device, capacity: int = 4096):
         self.device = torch.device(device)
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
         self._device_buffer = torch.empty(capacity, dtype=torch.long, device=self.device)
+        self._host = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
 
     def upload(self, values: list[int]) -> torch.Tensor:
         if len(values) > self._device_buffer.numel():
-            self._device_buffer = torch.empty(2 * len(values), dtype=torch.long, device=self.device)
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
+            self._allocate(2 * len(values))
+        staging = self._host[: len(values)]
+        staging.copy_(torch.tensor(values, dtype=torch.long))
         out = self._device_buffer[: len(values)]
-        out.copy_(host, non_blocking=True)
+        out.copy_(staging, non_blocking=True)
         return out
 
 
@@ -53,29 +69,58 @@ def build_step_meta(
     tables: list[list[int]],
     block_tokens: int,
     pool_slots: int,
+    per_sequence: bool = False,
 ) -> StepMeta:
     """``lengths``: tokens each sequence already holds; ``counts``: its new ids (in ``ids``,
-    packed in order); ``tables``: its pool blocks."""
-    decode_only = len(ids) == len(counts)
+    packed in order); ``tables``: its pool blocks. One-token sequences share one paged
+    attention call (their block mask), others are attended one by one; with ``per_sequence``
+    every sequence is (the CPU's faster path, docs/design.md §Measured: attention candidates)."""
+    sequences, total = len(counts), len(ids)
     width = max(len(t) for t in tables)
     flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
-    row_sequence = [] if decode_only else [s for s, n in enumerate(counts) for _ in range(n)]
-    starts = lengths if decode_only else [lengths[s] for s in row_sequence]
-    offsets = [0] * len(ids) if decode_only else [i for n in counts for i in range(n)]
-    total = len(ids)
-    uploaded = buffers.upload(ids + starts + offsets + counts + row_sequence + flat_tables)
+    row_sequence = [s for s, n in enumerate(counts) for _ in range(n)]
+    offsets = [i for n in counts for i in range(n)]
+    decoding = [] if per_sequence else [s for s, n in enumerate(counts) if n == 1]
+    uploaded = buffers.upload(ids + row_sequence + offsets + lengths + flat_tables)
     packed_ids = uploaded[:total]
-    positions = uploaded[total : 2 * total] + uploaded[2 * total : 3 * total]
-    new = uploaded[3 * total : 3 * total + len(counts)]
-    rows_of = uploaded[3 * total + len(counts) : 3 * total + len(counts) + len(row_sequence)]
-    table = uploaded[3 * total + len(counts) + len(row_sequence) :].view(len(counts), width)
-    pool_table = torch.zeros(
-        len(counts), pool_slots // block_tokens, dtype=torch.int32, device=buffers.device
-    )
-    pool_table[:, :width] = table
-    row_tables = pool_table if decode_only else pool_table.index_select(0, rows_of)
-    write_slots, mask = row_meta(row_tables, positions, block_tokens, pool_slots)
-    return StepMeta(packed_ids, positions, write_slots, torch.cumsum(new, 0) - 1, mask)
+    row_of = uploaded[total : 2 * total]
+    starts = uploaded[3 * total : 3 * total + sequences]
+    positions = starts[row_of] + uploaded[2 * total : 3 * total]
+    pool_blocks = pool_slots // block_tokens
+    pool_table = torch.zeros(sequences, pool_blocks, dtype=torch.int32, device=buffers.device)
+    pool_table[:, :width] = uploaded[3 * total + sequences :].view(sequences, width)
+    blocks = pool_table.view(-1)[row_of * pool_blocks + positions // block_tokens]
+    write_slots = blocks.long() * block_tokens + positions % block_tokens
+    ends = torch.cumsum(torch.tensor(counts), 0)
+    last = (ends - 1).to(buffers.device)
+    decode_rows, mask = None, None
+    if decoding:
+        picked = None if len(decoding) == sequences else torch.tensor(decoding)
+        decode_tables = pool_table if picked is None else pool_table[picked.to(buffers.device)]
+        decode_rows = None if picked is None else last[picked.to(buffers.device)]
+        decode_positions = positions if picked is None else positions[decode_rows]
+        mask = paged_block_mask(decode_tables, decode_positions, block_tokens, pool_slots)
+    prefills = []
+    for s, n in enumerate(counts):
+        if n > 1 or per_sequence:
+            span = (int(ends[s]) - n, int(ends[s]))
+            slots = _slots(tables[s], pool_table[s], lengths[s] + n, block_tokens)
+            causal = None
+            if n > 1:
+                causal = torch.ones(n, lengths[s] + n, dtype=torch.bool, device=buffers.device)
+                causal = causal.tril(lengths[s])
+            prefills.append(Prefill(span, slots, causal))
+    return StepMeta(packed_ids, positions, write_slots, last, decode_rows, mask, prefills)
+
+
+def _slots(table: list[int], pool_row: torch.Tensor, stop: int, block_tokens: int):
+    """Pool slots of positions 0..stop-1: one slice when their blocks are adjacent (read in
+    place), else their indices (gathered)."""
+    used = -(-stop // block_tokens)
+    if table[:used] == list(range(table[0], table[0] + used)):
+        return slice(table[0] * block_tokens, table[0] * block_tokens + stop)
+    seen = torch.arange(stop, device=pool_row.device)
+    return pool_row[seen // block_tokens].long() * block_tokens + seen % block_tokens
 
 
 def row_meta(

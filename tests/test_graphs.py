@@ -31,7 +31,7 @@ def decoding():
     pool = subject.pool()
     pool.kv.zero_()  # eager flex (the compile test's backend) scores every slot of the pool
     vocab = subject.model.config.text_config.vocab_size
-    runner = Runner(subject.model, pool, Sampler(vocab, [0, 1], EOS, "cpu"))
+    runner = Runner(subject.model, pool, Sampler(vocab, [0, 1], EOS, "cpu"), attention="paged")
     images = [s.image for s in held_out_samples(2, seed=34_000)] + [None, None]
     kvs = []
     for index, image in enumerate(images):
