@@ -2,11 +2,12 @@
 
 The tokens of every sequence in the batch (a prefill tail or one decoded id each) are packed
 into one [tokens, hidden] matrix with no padding, so each layer's projections and MLP run as
-one batched matmul, and attention is one call per layer over the pool as it lies
-(llava.attention: a block mask from the block tables, no gather). The step's index tensors are
-built once (llava.step_meta) and the next ids are chosen on the device (llava.sampling). The
-layers' own modules do the maths, so the weights, norms and rotary embedding are the
-checkpoint's (docs/design.md §Step runner).
+one batched matmul. Attention is chosen per device: on CUDA one call per layer for every
+decode row over the pool as it lies (llava.attention: a block mask from the block tables, no
+gather), on CPU one SDPA per sequence read in place (measured faster there); prefill chunks get
+one SDPA each. The step's index tensors are built once (llava.step_meta) and the next ids are
+chosen on the device (llava.sampling). The layers' own modules do the maths, so the weights,
+norms and rotary embedding are the checkpoint's (docs/design.md §Step runner).
 """
 
 from __future__ import annotations
