@@ -98,7 +98,8 @@ class DecodeGraphs:
         returns the buckets captured."""
         device = self.runner.pool.kv.device
         start = time.perf_counter()
-        for size in (b for b in self.buckets if b <= bucket_for(max_batch, self.buckets)):
+        largest = bucket_for(max_batch, self.buckets) or self.buckets[-1]
+        for size in (b for b in self.buckets if b <= largest):
             before = torch.cuda.memory_reserved(device)
             step = StaticDecode.empty(
                 size, self.runner.pool_slots // self.runner.pool.block_tokens, device
