@@ -9,6 +9,7 @@ per-sequence host work past the table copy and no host sync (docs/design.md §St
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -81,20 +82,23 @@ def build_step_meta(
     row_sequence = [s for s, n in enumerate(counts) for _ in range(n)]
     offsets = [i for n in counts for i in range(n)]
     decoding = [] if per_sequence else [s for s, n in enumerate(counts) if n == 1]
-    uploaded = buffers.upload(ids + row_sequence + offsets + lengths + flat_tables)
+    ends = list(itertools.accumulate(counts))
+    lasts = [end - 1 for end in ends]
+    uploaded = buffers.upload(ids + row_sequence + offsets + lengths + lasts + flat_tables)
     packed_ids = uploaded[:total]
     row_of = uploaded[total : 2 * total]
     starts = uploaded[3 * total : 3 * total + sequences]
     positions = starts[row_of] + uploaded[2 * total : 3 * total]
-    pool_blocks = pool_slots // block_tokens
-    pool_table = torch.zeros(sequences, pool_blocks, dtype=torch.int32, device=buffers.device)
-    pool_table[:, :width] = uploaded[3 * total + sequences :].view(sequences, width)
-    blocks = pool_table.view(-1)[row_of * pool_blocks + positions // block_tokens]
-    write_slots = blocks.long() * block_tokens + positions % block_tokens
-    ends = torch.cumsum(torch.tensor(counts), 0)
-    last = (ends - 1).to(buffers.device)
+    last = uploaded[3 * total + sequences : 3 * total + 2 * sequences]
+    table = uploaded[3 * total + 2 * sequences :].view(sequences, width)
+    blocks = table.view(-1)[row_of * width + positions // block_tokens]
+    write_slots = blocks * block_tokens + positions % block_tokens
     decode_rows, mask = None, None
-    if decoding:
+    if decoding:  # the paged call reads tables as wide as the pool
+        pool_table = torch.zeros(
+            sequences, pool_slots // block_tokens, dtype=torch.int32, device=buffers.device
+        )
+        pool_table[:, :width] = table
         picked = None if len(decoding) == sequences else torch.tensor(decoding)
         decode_tables = pool_table if picked is None else pool_table[picked.to(buffers.device)]
         decode_rows = None if picked is None else last[picked.to(buffers.device)]
@@ -103,8 +107,8 @@ def build_step_meta(
     prefills = []
     for s, n in enumerate(counts):
         if n > 1 or per_sequence:
-            span = (int(ends[s]) - n, int(ends[s]))
-            slots = _slots(tables[s], pool_table[s], lengths[s] + n, block_tokens)
+            span = (ends[s] - n, ends[s])
+            slots = _slots(tables[s], table[s], lengths[s] + n, block_tokens)
             causal = None
             if n > 1:
                 causal = torch.ones(n, lengths[s] + n, dtype=torch.bool, device=buffers.device)
@@ -113,14 +117,14 @@ def build_step_meta(
     return StepMeta(packed_ids, positions, write_slots, last, decode_rows, mask, prefills)
 
 
-def _slots(table: list[int], pool_row: torch.Tensor, stop: int, block_tokens: int):
+def _slots(table: list[int], row: torch.Tensor, stop: int, block_tokens: int):
     """Pool slots of positions 0..stop-1: one slice when their blocks are adjacent (read in
     place), else their indices (gathered)."""
     used = -(-stop // block_tokens)
     if table[:used] == list(range(table[0], table[0] + used)):
         return slice(table[0] * block_tokens, table[0] * block_tokens + stop)
-    seen = torch.arange(stop, device=pool_row.device)
-    return pool_row[seen // block_tokens].long() * block_tokens + seen % block_tokens
+    seen = torch.arange(stop, device=row.device)
+    return row[seen // block_tokens] * block_tokens + seen % block_tokens
 
 
 def row_meta(
