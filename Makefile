@@ -17,8 +17,8 @@ ENDPOINT_INSTANCES ?= 2
 ENDPOINT_PORT ?= 8090
 ENDPOINT_DIR ?= .run/endpoint
 
-.PHONY: setup test test-container lint demo bench build-demo-model mar demo-mar serve stop endpoint \
-	notebook image capacity clean
+.PHONY: setup test test-container lint demo bench gpu-check build-demo-model mar demo-mar serve \
+	stop endpoint notebook image capacity clean
 
 # CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
 # fresh checkout (or after `rm -rf .venv`) installs that build of torch 2.13.0 instead.
@@ -76,8 +76,15 @@ bench: demo-mar
 	$(PY) scripts/bench_endpoint.py
 	$(PY) scripts/bench_front.py
 	$(PY) scripts/bench_runner.py --threads 1
+	$(PY) scripts/bench_attention.py
 	$(PY) scripts/bench_concurrency.py
 	$(PY) scripts/bench_memory.py
+
+# On a CUDA machine: the CUDA tests, the attention candidates and the engine's table on a
+# random-weight model of llava-1.5-7b's shape (scripts/gpu_check.py). Without CUDA: one
+# line, exit 0.
+gpu-check: setup
+	$(PY) scripts/gpu_check.py
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup

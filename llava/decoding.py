@@ -1,12 +1,14 @@
-"""Choosing one sequence's next id from its logits: the per-turn sampling state; and the
-model's own forward on a DynamicCache, the reference the step runner is tested against.
+"""One turn's sampling state (``Chooser``); and the model's own forward on a DynamicCache,
+the reference the step runner is tested against.
 
-Each turn in a batch has its own ``Chooser`` (its parameters, its seeded generator, its
-count of ids so far), so a batched step gives each sequence exactly what it would get alone:
-greedy is an argmax of its own row, sampling draws from its own generator.
+Each turn in a batch has its own ``Chooser`` (its parameters, its seed, its ids so far), so a
+batched step gives each sequence exactly what it would get alone: greedy is the argmax of its
+own row, and sampling draws noise from its own seed and count (llava.sampling).
 """
 
 from __future__ import annotations
+
+import secrets
 
 import torch
 from transformers import DynamicCache
@@ -33,22 +35,15 @@ def prefill(
 
 
 class Chooser:
-    """Banned ids are never chosen (llava.logits_mask); end ids not before ``min_new_tokens``."""
+    """One turn's sampling state: its parameters, its seed, the ids chosen so far. The ids
+    themselves are chosen for the whole batch at once on the device (llava.sampling): banned
+    ids never, end ids not before ``min_new_tokens``."""
 
-    def __init__(
-        self,
-        params: GenerationParams,
-        eos_token_ids: frozenset[int],
-        banned_ids: list[int],
-        device: torch.device,
-    ):
+    def __init__(self, params: GenerationParams, eos_token_ids: frozenset[int]):
         self.params = params
         self.eos_token_ids = eos_token_ids
-        self._eos = torch.tensor(sorted(eos_token_ids), device=device)
-        self._banned = torch.tensor(banned_ids, dtype=torch.long, device=device)
-        self._generator = None
-        if not params.greedy and params.seed is not None:
-            self._generator = torch.Generator(device=device).manual_seed(params.seed)
+        # An unseeded sampled turn still needs a seed for its noise: a fresh random one.
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generated: list[int] = []
 
     @property
@@ -59,28 +54,5 @@ class Chooser:
     def exhausted(self) -> bool:
         return len(self.generated) >= self.params.max_new_tokens
 
-    def choose(self, logits: torch.Tensor) -> int:
-        """The next id from this sequence's logits row (float32, [vocab])."""
-        logits = logits.index_fill(0, self._banned, float("-inf"))
-        if len(self.generated) < self.params.min_new_tokens:
-            logits = logits.index_fill(0, self._eos, float("-inf"))
-        token = _pick(logits, self.params, self._generator)
+    def record(self, token: int) -> None:
         self.generated.append(token)
-        return token
-
-
-def _pick(logits: torch.Tensor, params: GenerationParams, generator) -> int:
-    if params.greedy:
-        return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= params.top_p
-        sorted_probs[drop] = 0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -28,6 +28,7 @@ from llava.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
 from llava.model import LoadedModel, load_model
 from llava.requests import Answer, Opened, OpenRequest, RequestContext, TurnRequest
 from llava.runner import Runner, StepInput
+from llava.sampling import Sampler
 from llava.scheduler import Scheduler
 from llava.store import SessionStore, StoreCounters
 
@@ -88,7 +89,9 @@ class Engine:
             image_token_id=loaded.model.config.image_token_id,
             max_positions=loaded.max_positions,
         )
-        self.runner = Runner(loaded.model, self.memory.pool)
+        vocab = loaded.model.config.text_config.vocab_size
+        sampler = Sampler(vocab, self.context.banned_ids, loaded.eos_token_ids, loaded.device)
+        self.runner = Runner(loaded.model, self.memory.pool, sampler)
         scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps)
         on_idle = self.check_integrity if config.check_memory_when_idle else None
         self.loop = EngineLoop(self.runner, scheduler, time.monotonic, on_idle).start()
@@ -120,6 +123,7 @@ class Engine:
                 self.runner.step([StepInput(holding.kv, ids[:1], None)])  # not an image token
         finally:
             self.memory.release(holding)
+        self.runner.capture_graphs(self.loop.scheduler.max_batch)  # CUDA only
 
     # -- the three operations --------------------------------------------------------------
     def open(self, image: Image.Image | None = None, session_id: str | None = None) -> Opened:

@@ -57,6 +57,7 @@ class KVPool:
         )
         self._free_map = bytearray(b"\x01") * self.total_blocks  # 1: block i is free
         self._free_count = self.total_blocks
+        self._never_used = bytearray(b"\x01") * self.total_blocks  # 1: still as allocated
 
     @property
     def free_blocks(self) -> int:
@@ -165,7 +166,19 @@ class KVPool:
         for block in blocks:
             self._free_map[block] = 0
         self._free_count -= len(blocks)
+        self._clear_never_used(blocks)
         return list(blocks)
+
+    def _clear_never_used(self, blocks) -> None:
+        """Zero blocks handed out for the first time. Attention reads a whole block and masks
+        the slots past a sequence's position (llava.attention), and a masked weight of 0 times
+        an uninitialised NaN is NaN: every slot must hold a finite value, once."""
+        fresh = [block for block in blocks if self._never_used[block]]
+        bt = self.block_tokens
+        with torch.inference_mode():
+            for block in fresh:
+                self._never_used[block] = 0
+                self.kv[:, :, :, block * bt : (block + 1) * bt].zero_()
 
     def _copy(self, kv: SessionKV, blocks: list[int]) -> None:
         """Copy ``kv``'s written tokens, every layer, into the same positions of ``blocks``."""

@@ -2,8 +2,8 @@
 
 Callers (many handler threads) put requests in an inbox and wait on their futures. Each
 iteration the loop starts what the scheduler admits, ends requests that were cancelled or ran
-out of time, then runs one step over the scheduler's plan and hands each request its logits
-row. A request that fails fails alone: its future gets the exception, the others go on
+out of time, then runs one step over the scheduler's plan and hands each request its next
+id. A request that fails fails alone: its future gets the exception, the others go on
 (docs/design.md §Engine loop).
 """
 
@@ -17,8 +17,6 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
-
-import torch
 
 from llava.errors import Busy
 from llava.memory import Shortfall
@@ -51,8 +49,9 @@ class Request(Protocol):
     def rewind(self) -> None:
         """Undo the inputs taken since the last ``take`` (a step that raised)."""
 
-    def take(self, logits: torch.Tensor) -> str | None:
-        """Its logits row after a step; returns why it ended ("eos", "max_new_tokens"), or None."""
+    def take(self, token: int) -> str | None:
+        """Its next id after a step (chosen on the device by its step input's chooser);
+        returns why it ended ("eos", "max_new_tokens"), or None."""
 
     def finish(self, reason: str) -> None:
         """Commit and resolve the future."""
@@ -175,7 +174,7 @@ class EngineLoop:
         if not inputs:
             return
         try:
-            logits = self.runner.step(inputs)
+            ids = self.runner.next_ids(inputs)
         except Exception:  # find which request(s) the step fails for, alone
             logger.exception("a step of %d sequences failed; retrying each alone", len(inputs))
             for request, _n in plan:
@@ -183,21 +182,21 @@ class EngineLoop:
             self._step_alone(plan)
             return
         self.steps += 1
-        for (request, _n), row in zip(plan, logits, strict=True):
-            self._take(request, row)
+        for (request, _n), token in zip(plan, ids, strict=True):
+            self._take(request, token)
 
     def _step_alone(self, plan) -> None:
         for request, n in plan:
             try:
-                row = self.runner.step([request.step_input(n)])[0]
+                token = self.runner.next_ids([request.step_input(n)])[0]
             except Exception as error:
                 request.rewind()
                 self._fail(request, error)
             else:
-                self._take(request, row)
+                self._take(request, token)
 
-    def _take(self, request: Request, row: torch.Tensor) -> None:
-        reason = self._guarded(request, request.take, row)
+    def _take(self, request: Request, token: int) -> None:
+        reason = self._guarded(request, request.take, token)
         if reason is not None:
             self._end(request, reason)
 

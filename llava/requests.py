@@ -100,7 +100,7 @@ class Feed:
     def pending(self) -> int:
         return len(self.ids) - self.fed
 
-    def take(self, n: int) -> StepInput:
+    def take(self, n: int, chooser: Chooser | None) -> StepInput:
         kv = self.holding.kv
         self._undo = (self.fed, self.images_fed, kv.length)
         chunk = self.ids[self.fed : self.fed + n]
@@ -110,7 +110,7 @@ class Feed:
         if images:
             features = self.features[self.images_fed : self.images_fed + images]
             self.images_fed += images
-        return StepInput(kv=kv, ids=chunk, image_features=features)
+        return StepInput(kv=kv, ids=chunk, image_features=features, chooser=chooser)
 
     def rewind(self, memory: MemoryManager) -> None:
         self.fed, self.images_fed, length = self._undo
@@ -122,6 +122,7 @@ class Feed:
 
 class _Request:
     order_key: str | None = None
+    chooser: Chooser | None = None  # an open's one step needs no id: greedy, ignored
 
     def __init__(self, context: RequestContext, deadline_s: float):
         self.context = context
@@ -135,7 +136,7 @@ class _Request:
         return 0 if self.feed is None else self.feed.pending
 
     def step_input(self, n: int) -> StepInput:
-        return self.feed.take(n)
+        return self.feed.take(n, self.chooser)
 
     def rewind(self) -> None:
         self.feed.rewind(self.context.memory)
@@ -181,7 +182,7 @@ class OpenRequest(_Request):
     def stop_reason(self, now: float) -> str | None:
         return None  # one prefill: it ends at once
 
-    def take(self, logits: torch.Tensor) -> str | None:
+    def take(self, token: int) -> str | None:
         return None if self.feed.pending else EOS
 
     def finish(self, reason: str) -> None:
@@ -225,7 +226,7 @@ class TurnRequest(_Request):
         self.cancelled = cancelled
         self.session: Session | None = None
         self.tier: Tier | None = None  # where the first try found the session's KV
-        self.chooser = Chooser(params, context.eos_token_ids, context.banned_ids, context.device)
+        self.chooser = Chooser(params, context.eos_token_ids)
         self.detokenizer = Detokenizer(context.tokenizer)
         self.first_token_at: float | None = None
 
@@ -290,10 +291,10 @@ class TurnRequest(_Request):
             return CANCELLED
         return DEADLINE if now >= self.deadline else None
 
-    def take(self, logits: torch.Tensor) -> str | None:
+    def take(self, token: int) -> str | None:
         if self.feed.pending:
             return None  # a prefill chunk that is not the prompt's last
-        token = self.chooser.choose(logits)
+        self.chooser.record(token)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self._emit(self.detokenizer.push(token), token)

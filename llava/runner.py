@@ -2,10 +2,12 @@
 
 The tokens of every sequence in the batch (a prefill tail or one decoded id each) are packed
 into one [tokens, hidden] matrix with no padding, so each layer's projections and MLP run as
-one batched matmul; only attention runs per sequence, over that sequence's own blocks (read
-in place when they are adjacent, gathered otherwise). The layers' own modules do the maths,
-so the weights, norms and rotary embedding are the checkpoint's
-(docs/design.md §Step runner).
+one batched matmul. Attention is chosen per device: on CUDA one call per layer for every
+decode row over the pool as it lies (llava.attention: a block mask from the block tables, no
+gather), on CPU one SDPA per sequence read in place (measured faster there); prefill chunks get
+one SDPA each. The step's index tensors are built once (llava.step_meta) and the next ids are
+chosen on the device (llava.sampling). The layers' own modules do the maths, so the weights,
+norms and rotary embedding are the checkpoint's (docs/design.md §Step runner).
 """
 
 from __future__ import annotations
@@ -15,7 +17,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llava.attention import paged_attention
+from llava.decoding import Chooser
+from llava.generation import GenerationParams
+from llava.graphs import DecodeGraphs
 from llava.kv_pool import KVPool, SessionKV, kv_geometry
+from llava.sampling import Sampler, SamplingRows
+from llava.step_meta import StepBuffers, StepMeta, build_step_meta, row_meta
+
+
+@dataclass(frozen=True)
+class Attending:
+    """What ``_attention`` needs of a step's metadata (a decode-only step's, in ``decode``)."""
+
+    decode_rows: torch.Tensor | None
+    mask: object
+    prefills: list
+
 
 # Rotary types whose frequencies do not depend on the batch: the model's rotary module gives
 # each token the same angles alone or packed. "dynamic" and "longrope" rescale by the largest
@@ -29,22 +47,7 @@ class StepInput:
     kv: SessionKV
     ids: list[int]  # new ids appended after kv.length (a prefill tail, or one decoded id)
     image_features: torch.Tensor | None = None  # (image tokens in ids, hidden)
-
-
-@dataclass(frozen=True)
-class _Sequence:
-    span: tuple[int, int]  # its [start, stop) in the packed tokens
-    slots: slice | torch.Tensor  # its K/V pool slots 0..new length; a slice: read in place
-    mask: torch.Tensor | None  # [new, past + new]: new token i sees the past and new 0..i
-
-
-@dataclass(frozen=True)
-class _Packed:
-    """Per-step tensors shared by every layer."""
-
-    positions: torch.Tensor  # [T] each token's true position (kv.length + offset)
-    write_slots: torch.Tensor  # [T] pool slot each new token's K/V goes to
-    sequences: list[_Sequence]
+    chooser: Chooser | None = None  # how ``next_ids`` picks its next id (None: greedy)
 
 
 def _layer_problem(layer) -> str | None:
@@ -58,7 +61,9 @@ def _layer_problem(layer) -> str | None:
 
 
 class Runner:
-    def __init__(self, model, pool: KVPool):
+    def __init__(
+        self, model, pool: KVPool, sampler: Sampler | None = None, attention: str | None = None
+    ):
         problem = self.supports(model)
         if problem:
             raise ValueError(f"the step runner cannot run this model: {problem}")
@@ -79,6 +84,19 @@ class Runner:
         self.heads = text.num_attention_heads
         self.kv_heads = kv_heads
         self.head_dim = head_dim
+        self.sampler = sampler
+        self._buffers = StepBuffers(pool.kv.device)
+        self._greedy = None  # the chooser of rows that bring none
+        self.pool_slots = pool.kv.shape[3]
+        # "paged": one flex_attention call for every decode row; "per_sequence": one SDPA per
+        # sequence over its slots in place. Measured fastest: paged on CUDA (to be confirmed
+        # by make gpu-check), per_sequence on CPU (docs/design.md §Measured: attention candidates).
+        if attention is None:
+            attention = "paged" if pool.kv.device.type == "cuda" else "per_sequence"
+        if attention not in ("paged", "per_sequence"):
+            raise ValueError(f"attention must be 'paged' or 'per_sequence', got {attention!r}")
+        self.attention = attention
+        self.graphs = None  # llava.graphs.DecodeGraphs, when captured (CUDA)
 
     @staticmethod
     def supports(model) -> str | None:
@@ -109,29 +127,61 @@ class Runner:
         [len(batch), vocab] at each sequence's last new position; each kv.length grows by
         len(ids). On an error no kv.length changes.
         """
-        packed = self._pack(batch)
-        hidden = self._embed(batch, packed)
-        cos, sin = self.lm.rotary_emb(hidden, packed.positions[None])
-        rotary = (cos[0, :, None, :], sin[0, :, None, :])  # [T, 1, head_dim]: broadcast on heads
-        for index, layer in enumerate(self.lm.layers):
-            attended = self._attention(index, layer, layer.input_layernorm(hidden), rotary, packed)
-            hidden = hidden + attended
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        last = torch.tensor([s.span[1] - 1 for s in packed.sequences], device=hidden.device)
-        logits = self.model.lm_head(self.lm.norm(hidden[last]))
+        self._check(batch)
+        logits = self._logits(batch, self._meta(batch))
         for item in batch:
             item.kv.length += len(item.ids)
-        return logits.float()
+        return logits
+
+    @torch.inference_mode()
+    def next_ids(self, batch: list[StepInput]) -> list[int]:
+        """``step``, then each sequence's next id chosen on the device by its chooser (greedy
+        without one); the ids are the step's one copy to the host. Decode-only batches replay
+        a captured graph when one was captured for their size (llava.graphs)."""
+        self._check(batch)
+        choosers = [item.chooser or self._greedy_chooser() for item in batch]
+        ids = self.graphs.run(batch, choosers) if self.graphs is not None else None
+        if ids is None:
+            meta = self._meta(batch)
+            ids = self.sampler.sample(self._logits(batch, meta), choosers).tolist()
+        for item in batch:
+            item.kv.length += len(item.ids)
+        return ids
+
+    def decode(
+        self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, rows: SamplingRows
+    ) -> torch.Tensor:
+        """One decode step as a function of tensors alone (no host value, no data-dependent
+        shape), so ``torch.compile(fullgraph=True)`` and CUDA graphs take it whole: row i feeds
+        ``ids[i]`` at ``positions[i]`` of the sequence with pool blocks ``tables[i]``; returns
+        each row's next id, on the device."""
+        write_slots, mask = row_meta(tables, positions, self.pool.block_tokens, self.pool_slots)
+        hidden = self.lm.embed_tokens(ids)
+        logits = self._forward(hidden, positions, write_slots, Attending(None, mask, []), None)
+        return self.sampler.choose(logits, rows)
+
+    def capture_graphs(self, max_batch: int) -> DecodeGraphs | None:
+        """On CUDA, capture decode graphs for the buckets up to ``max_batch`` whose memory
+        fits a twentieth of the pool's bytes (llava.graphs); elsewhere nothing (None)."""
+        if self.pool.kv.device.type != "cuda":
+            return None
+        graphs = DecodeGraphs(self)
+        graphs.capture(max_batch, self.pool.allocated_bytes // 20)
+        self.graphs = graphs
+        return graphs
+
+    def _greedy_chooser(self) -> Chooser:
+        if self._greedy is None:
+            self._greedy = Chooser(GenerationParams(), frozenset())
+        return self._greedy
 
     # -- one step's pieces -----------------------------------------------------------------
-    def _pack(self, batch: list[StepInput]) -> _Packed:
+    def _check(self, batch: list[StepInput]) -> None:
+        """Every input is checked before anything changes."""
         if not batch:
             raise ValueError("empty batch")
         if len({id(item.kv) for item in batch}) != len(batch):
             raise ValueError("a sequence appears twice in one step")
-        device = self.pool.kv.device
-        positions, write_slots, sequences = [], [], []
-        start = 0
         for item in batch:
             kv, n = item.kv, len(item.ids)
             if kv.pool is not self.pool:
@@ -143,27 +193,41 @@ class Runner:
                     f"{n} new ids after {kv.length} need {kv.length + n} reserved tokens, "
                     f"{kv.capacity} are: reserve first"
                 )
-            stop = kv.length + n
-            positions.append(torch.arange(kv.length, stop, device=device))
-            write_slots.append(kv.slots(kv.length, stop))
-            slots = kv.contiguous_slots(stop)
-            mask = None
-            if n > 1:
-                mask = torch.ones(n, stop, dtype=torch.bool, device=device).tril(kv.length)
-            sequences.append(
-                _Sequence((start, start + n), kv.slots(0, stop) if slots is None else slots, mask)
-            )
-            start += n
-        return _Packed(torch.cat(positions), torch.cat(write_slots), sequences)
 
-    def _embed(self, batch: list[StepInput], packed: _Packed) -> torch.Tensor:
+    def _meta(self, batch: list[StepInput]) -> StepMeta:
+        return build_step_meta(
+            self._buffers,
+            [i for item in batch for i in item.ids],
+            [item.kv.length for item in batch],
+            [len(item.ids) for item in batch],
+            [item.kv.blocks for item in batch],
+            self.pool.block_tokens,
+            self.pool_slots,
+            per_sequence=self.attention == "per_sequence",
+        )
+
+    def _logits(self, batch: list[StepInput], meta: StepMeta) -> torch.Tensor:
+        hidden = self._embed(batch, meta)
+        return self._forward(hidden, meta.positions, meta.write_slots, meta, meta.last)
+
+    def _forward(self, hidden, positions, write_slots, attending, last) -> torch.Tensor:
+        """The layers over packed tokens; float32 logits at the ``last`` rows (all if None).
+        ``attending``: which rows are decode rows (their block mask) and which prefills."""
+        cos, sin = self.lm.rotary_emb(hidden, positions[None])
+        rotary = (cos[0, :, None, :], sin[0, :, None, :])  # [T, 1, head_dim]: broadcast on heads
+        for index, layer in enumerate(self.lm.layers):
+            x = layer.input_layernorm(hidden)
+            hidden = hidden + self._attention(index, layer, x, rotary, write_slots, attending)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if last is not None:
+            hidden = hidden[last]
+        return self.model.lm_head(self.lm.norm(hidden)).float()
+
+    def _embed(self, batch: list[StepInput], meta: StepMeta) -> torch.Tensor:
         """Token embeddings, image features in the image-token positions (found on the host:
         no device sync per sequence)."""
-        device = self.pool.kv.device
-        flat = [i for item in batch for i in item.ids]
-        where, features = [], []
-        for item, sequence in zip(batch, packed.sequences, strict=True):
-            start = sequence.span[0]
+        where, features, start = [], [], 0
+        for item in batch:
             image_at = [
                 start + i for i, token in enumerate(item.ids) if token == self.image_token_id
             ]
@@ -175,13 +239,14 @@ class Runner:
             if rows:
                 where.extend(image_at)
                 features.append(item.image_features)
-        hidden = self.lm.embed_tokens(torch.tensor(flat, device=device))
+            start += len(item.ids)
+        hidden = self.lm.embed_tokens(meta.ids)
         if where:
-            rows = torch.cat(features).to(device, hidden.dtype)
-            hidden[torch.tensor(where, device=device)] = rows
+            rows = torch.cat(features).to(hidden.device, hidden.dtype)
+            hidden[torch.tensor(where, device=hidden.device)] = rows
         return hidden
 
-    def _attention(self, index: int, layer, x: torch.Tensor, rotary, packed: _Packed):
+    def _attention(self, index: int, layer, x: torch.Tensor, rotary, write_slots, attending):
         attn = layer.self_attn
         tokens = x.shape[0]
         q = attn.q_proj(x).view(tokens, self.heads, self.head_dim)
@@ -189,25 +254,28 @@ class Runner:
         v = attn.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
         q, k = _rotate(q, rotary), _rotate(k, rotary)
         keys, values = self.pool.kv[index]  # [kv_heads, slots, head_dim] each
-        keys.index_copy_(1, packed.write_slots, k.transpose(0, 1))
-        values.index_copy_(1, packed.write_slots, v.transpose(0, 1))
-        out = torch.empty_like(q)
-        for sequence in packed.sequences:
-            start, stop = sequence.span
-            if isinstance(sequence.slots, slice):  # adjacent blocks: no copy
-                seq_keys, seq_values = keys[:, sequence.slots], values[:, sequence.slots]
-            else:
-                seq_keys = keys.index_select(1, sequence.slots)
-                seq_values = values.index_select(1, sequence.slots)
-            out[start:stop] = F.scaled_dot_product_attention(
-                q[start:stop].transpose(0, 1),
-                seq_keys,
-                seq_values,
-                attn_mask=sequence.mask,
-                scale=attn.scaling,
-                enable_gqa=self.heads != self.kv_heads,
-            ).transpose(0, 1)
-        return attn.o_proj(out.view(tokens, -1))
+        keys.index_copy_(1, write_slots, k.transpose(0, 1))
+        values.index_copy_(1, write_slots, v.transpose(0, 1))
+        gqa = self.heads != self.kv_heads
+        rows = attending.decode_rows
+        if rows is None and not attending.prefills:  # a decode-only step
+            out = paged_attention(q, keys, values, attending.mask, attn.scaling)
+        else:
+            out = torch.empty_like(q)
+            if attending.mask is not None:
+                out[rows] = paged_attention(q[rows], keys, values, attending.mask, attn.scaling)
+            for prefill in attending.prefills:  # prefills are compute-bound: one SDPA each
+                start, stop = prefill.span
+                out[start:stop] = F.scaled_dot_product_attention(
+                    q[start:stop].transpose(0, 1),
+                    keys[:, prefill.slots],
+                    values[:, prefill.slots],
+                    attn_mask=prefill.causal,
+                    scale=attn.scaling,
+                    enable_gqa=gqa,
+                ).transpose(0, 1)
+        out = out.reshape(tokens, -1)
+        return attn.o_proj(out)
 
 
 def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

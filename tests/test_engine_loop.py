@@ -30,8 +30,8 @@ def new_engine(demo_model, **options) -> Engine:
 
 def record_batch_sizes(engine: Engine) -> list[int]:
     sizes: list[int] = []
-    step = engine.runner.step
-    engine.runner.step = lambda batch: sizes.append(len(batch)) or step(batch)
+    step = engine.runner.next_ids
+    engine.runner.next_ids = lambda batch: sizes.append(len(batch)) or step(batch)
     return sizes
 
 
@@ -183,7 +183,7 @@ def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
     failing, healthy = engine.open(a.image).session_id, engine.open(b.image).session_id
     history = list(engine.store.session(failing).token_ids)
     poisoned = engine.store.session(failing).kv
-    step = engine.runner.step
+    step = engine.runner.next_ids
     sizes = []
 
     def step_failing_for_one(batch):
@@ -192,7 +192,7 @@ def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
             raise RuntimeError("this sequence breaks the step")
         return step(batch)
 
-    engine.runner.step = step_failing_for_one
+    engine.runner.next_ids = step_failing_for_one
     streaming = threading.Event()
     outcome = {}
 
@@ -209,5 +209,5 @@ def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
     assert outcome["b"].token_ids == expected
     session = engine.store.session(failing)
     assert session.tier is Tier.FEATURES and session.token_ids == history
-    engine.runner.step = step
+    engine.runner.next_ids = step
     assert engine.ask(failing, QUESTIONS[0]).text == a.color

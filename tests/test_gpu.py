@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import Tier
 from llava.model import assigned_device
+from llava.synthetic import held_out_samples
 from tests.conftest import DEMO_MODEL_DIR
 from tests.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
 
@@ -62,3 +65,45 @@ def test_a_turn_restored_from_pinned_host_memory_answers_as_never_moved(sample):
     never_moved = engine.ask(kept, CONVERSATION[1], {"max_new_tokens": 6})
     assert restored.tier is Tier.HOST and restored.token_ids == never_moved.token_ids
     engine.check_integrity()
+
+
+def batched_and_alone(engine_for, images) -> tuple[list, list]:
+    """Greedy answers of 8 sessions asked at once, and of each asked alone."""
+    alone_engine = engine_for(max_batch=1)
+    alone = [
+        alone_engine.ask(alone_engine.open(image).session_id, "What color is the shape?").text
+        for image in images
+    ]
+    engine = engine_for(max_batch=8)
+    ids = [engine.open(image).session_id for image in images]
+    with ThreadPoolExecutor(len(ids)) as pool:
+        batched = list(pool.map(lambda s: engine.ask(s, "What color is the shape?").text, ids))
+    return batched, alone
+
+
+def cuda_engine(dtype: str, **options) -> Engine:
+    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype=dtype)
+    engine = Engine.from_config(config, **options)
+    engine.warm_up()  # captures the decode graphs
+    return engine
+
+
+def test_decode_graphs_are_captured_and_answer_as_the_eager_step():
+    images = [s.image for s in held_out_samples(8, seed=35_000)]
+    engine = cuda_engine("float32", max_batch=8)
+    assert sorted(engine.runner.graphs.steps) == [1, 2, 4, 8]
+    assert engine.runner.graphs.reserved_bytes > 0
+    ids = [engine.open(image).session_id for image in images]
+    with ThreadPoolExecutor(8) as pool:
+        replayed = list(pool.map(lambda s: engine.ask(s, "And its shape?").token_ids, ids))
+    engine.runner.graphs = None  # the same turns again, eagerly
+    eager = [engine.ask(engine.open(i).session_id, "And its shape?").token_ids for i in images]
+    assert replayed == eager
+
+
+def test_bf16_batched_answers_equal_each_alone():
+    """bf16 tolerance: batching changes the matmul shapes and so the rounding; on the demo
+    model's answers (one word, large margins) every answer must still be the same."""
+    images = [s.image for s in held_out_samples(8, seed=36_000)]
+    batched, alone = batched_and_alone(lambda **o: cuda_engine("bfloat16", **o), images)
+    assert batched == alone

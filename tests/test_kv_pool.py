@@ -46,6 +46,7 @@ def test_allocated_bytes_is_the_tensor_storage_and_within_budget():
     assert pool.allocated_bytes <= budget
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_allocator_holds_exactly_the_pool():
     torch.cuda.synchronize()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+import torch
+
 from tests.conftest import REPO
 
 
@@ -43,3 +46,13 @@ def test_image_is_the_production_build_and_the_container_tier_runs_after_test():
     assert build.split() == ["docker", "build", "-t", "stateful-llava", "."]
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert ci.index("make test-container") > ci.index("make test")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: gpu-check runs")
+def test_gpu_check_without_cuda_says_so_in_one_line_and_succeeds():
+    done = subprocess.run(
+        ["make", "-s", "gpu-check"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [done.stdout.strip()]
+    assert "no CUDA device" in done.stdout

@@ -178,14 +178,20 @@ def fragment(pool: KVPool) -> None:
     assert b"\x01\x01" not in pool._free_map  # no two free blocks are adjacent
 
 
+ATTENTION = pytest.mark.parametrize("attention", ["paged", "per_sequence"])
+
+
+@ATTENTION
 @pytest.mark.parametrize("blocks", ["adjacent", "fragmented"])
 @pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
-def test_logits_equal_hf_forward_through_prefills_and_decode(subject, with_image, blocks):
+def test_logits_equal_hf_forward_through_prefills_and_decode(
+    subject, with_image, blocks, attention
+):
     image = red_square() if with_image else None
     chunks = subject.chunks(image, [QUESTIONS[0], QUESTIONS[2]])
     expected = hf_record(subject.model, chunks, decode_steps=20)
     got: list[torch.Tensor] = []
-    runner = Runner(subject.model, subject.pool())
+    runner = Runner(subject.model, subject.pool(), attention=attention)
     if blocks == "fragmented":
         fragment(runner.pool)
     free = runner.pool.free_blocks
@@ -214,7 +220,8 @@ def test_scaled_rope_types_equal_hf_forward(rope):
 
 
 # -- batched equals alone ------------------------------------------------------------------
-def test_eight_sequences_stepped_together_equal_each_alone(subject):
+@ATTENTION
+def test_eight_sequences_stepped_together_equal_each_alone(subject, attention):
     """Different images, text-only sessions, lengths and answer lengths; staggered starts mix
     prefills of some sequences with decode steps of others in one step."""
     samples = held_out_samples(6, seed=31_000)
@@ -229,7 +236,7 @@ def test_eight_sequences_stepped_together_equal_each_alone(subject):
     decode_steps = [6, 12, 8, 9, 7, 15, 10, 11]
     starts = [0, 0, 1, 1, 2, 2, 3, 3]
     alone: list[list[torch.Tensor]] = []
-    runner = Runner(subject.model, subject.pool())
+    runner = Runner(subject.model, subject.pool(), attention=attention)
     for seq_chunks, steps in zip(chunks, decode_steps, strict=True):
         alone.append([])
         drive(runner, [sequence(runner.pool, seq_chunks, steps, alone[-1])], [0])

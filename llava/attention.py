@@ -1,0 +1,108 @@
+"""Attention of a whole step over the paged KV pool: one call per layer, no gather.
+
+Every new token is one query row (a batch entry of ``flex_attention`` with one query), the
+keys and values are one layer of the pool as it lies (``[1, kv_heads, slots, head_dim]``), and a
+block mask built from the block tables tells the kernel which pool blocks each row reads: the
+blocks entirely at or before its position are *full* (read without a mask), the block holding
+its position is *partial* (the mask function keeps the row's own slots up to its position).
+A row never reads another sequence's blocks, so prefill rows and decode rows of many sequences
+share one call, and a decode row costs what its own KV costs. The same code runs on CPU (where
+CI tests it) and on CUDA (docs/design.md §Paged attention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+# Compiled once per process: eager flex_attention is a slow reference that materialises every
+# score. Each model geometry, pool size and row bucket is its own graph: a test run's many
+# small models need more than dynamo's default limit of 8.
+_compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+# Row counts the kernel is compiled for: a step's rows are padded up to the next (copies of its
+# first row, whose outputs are dropped). Static shapes, because the CPU kernel generated for a
+# dynamic row count failed to build (a C++ error in inductor's template) in some recompiles.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def padded_rows(rows: int) -> int:
+    """The bucket ``rows`` query rows are padded to (a multiple of 64 past the largest)."""
+    return next((b for b in BUCKETS if b >= rows), -(-rows // BUCKETS[-1]) * BUCKETS[-1])
+
+
+def paged_block_mask(
+    tables: torch.Tensor, positions: torch.Tensor, block_tokens: int, pool_slots: int
+) -> BlockMask:
+    """The block mask of one step: row i is at ``positions[i]`` of the sequence whose pool
+    blocks are ``tables[i]`` (int32, ``[rows, pool blocks]``: as wide as the pool, which the
+    kernel requires; only the first blocks of a row are read).
+
+    The mask function alone is the whole rule (a slot belongs to the row's sequence, at a
+    position up to the row's), so the block lists are only what lets the kernel skip work:
+    eager and compiled flex_attention agree."""
+    real, pool_blocks = tables.shape
+    rows = padded_rows(real)
+    if rows != real:  # pad with copies of row 0
+        pad = torch.zeros(rows - real, dtype=torch.long, device=tables.device)
+        tables = torch.cat((tables, tables[pad]))
+        positions = torch.cat((positions, positions[pad]))
+    seen = positions + 1  # tokens the row sees
+    used = (positions // block_tokens + 1)[:, None]
+    logical = torch.arange(pool_blocks, device=tables.device).expand(rows, pool_blocks)
+    # Who owns each pool block (a sequence is named by its first block) and at which logical
+    # block; rows past their used blocks write a spare last entry.
+    target = torch.where(logical < used, tables.long(), pool_blocks).view(-1)
+    owner = tables.new_full((pool_blocks + 1,), -1)
+    owner.scatter_(0, target, tables[:, :1].expand(rows, pool_blocks).reshape(-1))
+    block_position = tables.new_zeros(pool_blocks + 1)
+    block_position.scatter_(0, target, logical.to(tables.dtype).reshape(-1))
+    # Buffers the mask function reads must be plain (stride 1, not a view of an input) for
+    # the CPU kernel; a one-row slice would carry the table's row stride.
+    first = torch.empty(rows, dtype=tables.dtype, device=tables.device).copy_(tables[:, 0])
+
+    def own_past(b, h, q_idx, kv_idx):
+        block = kv_idx // block_tokens
+        position = block_position[block] * block_tokens + kv_idx % block_tokens
+        return (owner[block] == first[b]) & (position <= positions[b])
+
+    full_count = (seen // block_tokens).to(torch.int32)
+    partial_count = (seen % block_tokens != 0).to(torch.int32)
+    partial_index = tables.gather(1, (positions // block_tokens)[:, None])
+    return BlockMask(
+        (1, pool_slots),
+        partial_count.view(rows, 1, 1),
+        partial_index.view(rows, 1, 1, 1).expand(rows, 1, 1, pool_blocks),
+        full_count.view(rows, 1, 1),
+        tables.view(rows, 1, 1, -1),
+        None,
+        None,
+        None,
+        None,
+        BLOCK_SIZE=(1, block_tokens),
+        mask_mod=own_past,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask, scale: float
+) -> torch.Tensor:
+    """``q`` ``[rows, heads, head_dim]`` against one layer of the pool (``keys``/``values``
+    ``[kv_heads, slots, head_dim]``), ``mask`` from ``paged_block_mask`` (its rows padded);
+    returns q's shape."""
+    real = q.shape[0]
+    rows = mask.kv_num_blocks.shape[0]
+    if rows != real:
+        q = torch.cat((q, q[:1].expand(rows - real, *q.shape[1:])))
+    keys, values = keys[None], values[None]
+    out = _compiled_flex(
+        q[:, :, None],
+        keys,
+        values,
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    return out[:real, :, 0]

@@ -1,0 +1,145 @@
+"""Decode steps at static shapes: the batch padded to a bucket, the block tables to the pool's
+width, so one captured CUDA graph per bucket replays a whole step (every layer, attention,
+sampling) with one launch.
+
+Each bucket owns its input buffers; a step copies its rows into them and replays. Padding
+rows decode id 0 at position 0 of a scratch block that this object holds from the pool (so
+their K/V writes land nowhere that matters) and their ids are dropped. Graphs are captured at
+start-up from the smallest bucket up while the memory they take fits ``budget_bytes``; what
+each took (allocator-reserved bytes) and the capture time are recorded
+(docs/design.md §Decode graphs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from llava.attention import BUCKETS
+from llava.decoding import Chooser
+from llava.sampling import SamplingRows
+
+
+def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket that holds ``batch`` rows, None when none does."""
+    return next((b for b in sorted(buckets) if b >= batch), None)
+
+
+@dataclass
+class StaticDecode:
+    """One bucket's input buffers, and the step over them (eager, compiled or captured)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    tables: torch.Tensor
+    rows: SamplingRows
+    out: torch.Tensor | None = None
+    graph: object = None  # torch.cuda.CUDAGraph once captured
+
+    @classmethod
+    def empty(cls, size: int, pool_blocks: int, device) -> StaticDecode:
+        long = {"dtype": torch.long, "device": device}
+        return cls(
+            torch.zeros(size, **long),
+            torch.zeros(size, **long),
+            torch.zeros(size, pool_blocks, dtype=torch.int32, device=device),
+            SamplingRows(
+                torch.zeros(size, dtype=torch.bool, device=device),
+                torch.ones(size, dtype=torch.bool, device=device),
+                torch.ones(size, 3, device=device),
+                torch.zeros(size, 2, **long),
+            ),
+        )
+
+    def inputs(self) -> tuple:
+        return self.ids, self.positions, self.tables, self.rows
+
+    def fill(self, batch, choosers: Sequence[Chooser], scratch_block: int, sampler) -> None:
+        """Copy a decode batch's rows in; the rows past it decode into the scratch block."""
+        size, n = self.ids.shape[0], len(batch)
+        pad = size - n
+        self.ids.copy_(torch.tensor([item.ids[0] for item in batch] + [0] * pad))
+        self.positions.copy_(torch.tensor([item.kv.length for item in batch] + [0] * pad))
+        # Only a row's first (position // block_tokens + 1) entries are read: write those.
+        width = max(len(item.kv.blocks) for item in batch)
+        tables = [item.kv.blocks + [0] * (width - len(item.kv.blocks)) for item in batch]
+        self.tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        self.tables[n:, 0] = scratch_block
+        rows = sampler.rows(list(choosers) + [choosers[0]] * pad)
+        for mine, theirs in zip(
+            (self.rows.hold_eos, self.rows.greedy, self.rows.values, self.rows.counters),
+            (rows.hold_eos, rows.greedy, rows.values, rows.counters),
+            strict=True,
+        ):
+            mine.copy_(theirs)
+
+
+class DecodeGraphs:
+    """Captured decode steps of one runner, by bucket (CUDA only)."""
+
+    def __init__(self, runner, buckets: Sequence[int] = BUCKETS):
+        self.runner = runner
+        self.buckets = tuple(sorted(buckets))
+        self.steps: dict[int, StaticDecode] = {}
+        self.reserved_bytes = 0  # allocator-reserved bytes the captured graphs added
+        self.capture_s = 0.0
+        self._scratch = runner.pool.new_kv()
+        self._scratch.reserve(1)  # counted in the pool's accounting like any held block
+
+    @property
+    def scratch_block(self) -> int:
+        return self._scratch.blocks[0]
+
+    def capture(self, max_batch: int, budget_bytes: int) -> list[int]:
+        """Capture the buckets up to ``max_batch`` while their memory fits ``budget_bytes``;
+        returns the buckets captured."""
+        device = self.runner.pool.kv.device
+        start = time.perf_counter()
+        largest = bucket_for(max_batch, self.buckets) or self.buckets[-1]
+        for size in (b for b in self.buckets if b <= largest):
+            before = torch.cuda.memory_reserved(device)
+            step = StaticDecode.empty(
+                size, self.runner.pool_slots // self.runner.pool.block_tokens, device
+            )
+            step.tables.fill_(self.scratch_block)
+            try:
+                _capture(self.runner, step)
+            except torch.cuda.OutOfMemoryError:
+                break
+            added = torch.cuda.memory_reserved(device) - before
+            if self.reserved_bytes + added > budget_bytes:
+                break
+            self.reserved_bytes += added
+            self.steps[size] = step
+        self.capture_s = time.perf_counter() - start
+        return sorted(self.steps)
+
+    def run(self, batch, choosers: Sequence[Chooser]) -> list[int] | None:
+        """The next ids of a decode-only batch from its bucket's graph; None if the batch
+        has a prefill or no bucket was captured for its size."""
+        if any(len(item.ids) != 1 for item in batch):
+            return None
+        size = bucket_for(len(batch), self.steps)
+        if size is None:
+            return None
+        step = self.steps[size]
+        step.fill(batch, choosers, self.scratch_block, self.runner.sampler)
+        step.graph.replay()
+        return step.out[: len(batch)].tolist()
+
+
+def _capture(runner, step: StaticDecode) -> None:
+    """Warm up on a side stream (the allocator and any lazy init), then capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(2):
+            runner.decode(*step.inputs())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        step.out = runner.decode(*step.inputs())
+    step.graph = graph

@@ -1,0 +1,137 @@
+"""What one step needs besides the weights: every index tensor, built once per step.
+
+The host knows each sequence's block table, length and new ids; it writes them into one int64
+staging tensor and copies that to a preallocated device buffer in one transfer (asynchronous
+from pinned memory on CUDA). Everything else (positions, write slots, the padded query layout,
+the attention block mask) is derived on the device from those views, so a step has no
+per-sequence host work past the table copy and no host sync (docs/design.md §Step metadata).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from llava.attention import paged_block_mask
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A sequence attended on its own (SDPA over its slots): a prefill chunk, or any sequence
+    with ``per_sequence`` attention."""
+
+    span: tuple[int, int]  # its [start, stop) in the packed tokens
+    slots: slice | torch.Tensor  # pool slots of its positions 0..length+new (slice: in place)
+    causal: torch.Tensor | None  # [new, length + new]: new token i sees the past and new 0..i
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    ids: torch.Tensor  # [T] the packed new ids
+    positions: torch.Tensor  # [T] each token's position in its sequence
+    write_slots: torch.Tensor  # [T] the pool slot its K/V goes to
+    last: torch.Tensor  # [sequences] packed index of each sequence's last new token
+    decode_rows: torch.Tensor | None  # packed index of each one-token sequence; None: all
+    mask: BlockMask | None  # the decode rows' block mask (None: no decode row)
+    prefills: list[Prefill]
+
+
+class StepBuffers:
+    """A device buffer for the step's host-made integers, allocated once and grown only when
+    a step needs more. On CUDA the host side is a pinned staging buffer, so the copy does not
+    block; the next step reuses it only after this step's ids came back (a sync)."""
+
+    def __init__(self, device: torch.device, capacity: int = 4096):
+        self.device = torch.device(device)
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self._device_buffer = torch.empty(capacity, dtype=torch.long, device=self.device)
+        self._host = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
+
+    def upload(self, values: list[int]) -> torch.Tensor:
+        if len(values) > self._device_buffer.numel():
+            self._allocate(2 * len(values))
+        staging = self._host[: len(values)]
+        staging.copy_(torch.tensor(values, dtype=torch.long))
+        out = self._device_buffer[: len(values)]
+        out.copy_(staging, non_blocking=True)
+        return out
+
+
+def build_step_meta(
+    buffers: StepBuffers,
+    ids: list[int],
+    lengths: list[int],
+    counts: list[int],
+    tables: list[list[int]],
+    block_tokens: int,
+    pool_slots: int,
+    per_sequence: bool = False,
+) -> StepMeta:
+    """``lengths``: tokens each sequence already holds; ``counts``: its new ids (in ``ids``,
+    packed in order); ``tables``: its pool blocks. One-token sequences share one paged
+    attention call (their block mask), others are attended one by one; with ``per_sequence``
+    every sequence is (the CPU's faster path, docs/design.md §Measured: attention candidates)."""
+    sequences, total = len(counts), len(ids)
+    width = max(len(t) for t in tables)
+    flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
+    row_sequence = [s for s, n in enumerate(counts) for _ in range(n)]
+    offsets = [i for n in counts for i in range(n)]
+    decoding = [] if per_sequence else [s for s, n in enumerate(counts) if n == 1]
+    ends = list(itertools.accumulate(counts))
+    lasts = [end - 1 for end in ends]
+    uploaded = buffers.upload(ids + row_sequence + offsets + lengths + lasts + flat_tables)
+    packed_ids = uploaded[:total]
+    row_of = uploaded[total : 2 * total]
+    starts = uploaded[3 * total : 3 * total + sequences]
+    positions = starts[row_of] + uploaded[2 * total : 3 * total]
+    last = uploaded[3 * total + sequences : 3 * total + 2 * sequences]
+    table = uploaded[3 * total + 2 * sequences :].view(sequences, width)
+    blocks = table.view(-1)[row_of * width + positions // block_tokens]
+    write_slots = blocks * block_tokens + positions % block_tokens
+    decode_rows, mask = None, None
+    if decoding:  # the paged call reads tables as wide as the pool
+        pool_table = torch.zeros(
+            sequences, pool_slots // block_tokens, dtype=torch.int32, device=buffers.device
+        )
+        pool_table[:, :width] = table
+        picked = None if len(decoding) == sequences else torch.tensor(decoding)
+        decode_tables = pool_table if picked is None else pool_table[picked.to(buffers.device)]
+        decode_rows = None if picked is None else last[picked.to(buffers.device)]
+        decode_positions = positions if picked is None else positions[decode_rows]
+        mask = paged_block_mask(decode_tables, decode_positions, block_tokens, pool_slots)
+    prefills = []
+    for s, n in enumerate(counts):
+        if n > 1 or per_sequence:
+            span = (ends[s] - n, ends[s])
+            slots = _slots(tables[s], table[s], lengths[s] + n, block_tokens)
+            causal = None
+            if n > 1:
+                causal = torch.ones(n, lengths[s] + n, dtype=torch.bool, device=buffers.device)
+                causal = causal.tril(lengths[s])
+            prefills.append(Prefill(span, slots, causal))
+    return StepMeta(packed_ids, positions, write_slots, last, decode_rows, mask, prefills)
+
+
+def _slots(table: list[int], row: torch.Tensor, stop: int, block_tokens: int):
+    """Pool slots of positions 0..stop-1: one slice when their blocks are adjacent (read in
+    place), else their indices (gathered)."""
+    used = -(-stop // block_tokens)
+    if table[:used] == list(range(table[0], table[0] + used)):
+        return slice(table[0] * block_tokens, table[0] * block_tokens + stop)
+    seen = torch.arange(stop, device=row.device)
+    return row[seen // block_tokens] * block_tokens + seen % block_tokens
+
+
+def row_meta(
+    tables: torch.Tensor, positions: torch.Tensor, block_tokens: int, pool_slots: int
+) -> tuple[torch.Tensor, BlockMask]:
+    """Each row's pool slot for its new K/V, and the attention block mask, from its
+    sequence's pool blocks (``tables``, int32 ``[rows, pool blocks]``) and its position."""
+    blocks = tables.gather(1, (positions // block_tokens)[:, None])[:, 0]
+    write_slots = blocks.long() * block_tokens + positions % block_tokens
+    return write_slots, paged_block_mask(tables, positions, block_tokens, pool_slots)
