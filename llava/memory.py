@@ -24,10 +24,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from llava.counters import Counters
 from llava.errors import NoCapacity
 from llava.kv_pool import KVPool, SessionKV
 
@@ -83,7 +84,7 @@ class Shortfall:
 
 
 @dataclass(frozen=True)
-class MemoryCounters:
+class MemoryCounters(Counters):
     moved_to_host: int = 0  # device KV copied to host
     restored: int = 0  # host KV copied back for a turn
     demoted: int = 0  # KV dropped (from device or host): the next turn re-prefills
@@ -152,14 +153,14 @@ class _HostCopies:
         return out
 
     def to_device(self, blocks: list[int], data: torch.Tensor) -> None:
-        if not self.cuda:
-            self.pool.write_blocks(blocks, data)
-            return
         with self._on_side_stream():
             self.pool.write_blocks(blocks, data)
 
     @contextmanager
     def _on_side_stream(self) -> Iterator[None]:
+        if not self.cuda:
+            yield
+            return
         compute = torch.cuda.current_stream(self.pool.kv.device)
         self.stream.wait_stream(compute)  # the blocks hold what earlier steps wrote
         with torch.cuda.stream(self.stream):
@@ -476,10 +477,7 @@ class MemoryManager:
                 self._sessions[holding.tier] += 1
 
     def _count(self, **increments: int) -> None:
-        current = self._counters
-        self._counters = replace(
-            current, **{name: getattr(current, name) + n for name, n in increments.items()}
-        )
+        self._counters = self._counters.plus(**increments)
 
 
 def _require(condition: bool, problem: str) -> None:

@@ -21,10 +21,11 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
+from llava.counters import Counters
 from llava.errors import SessionIdInUse, SessionNotFound
 from llava.memory import Holding, IntegrityError
 from llava.session import Session
@@ -54,7 +55,7 @@ class Holdings(Protocol):
 
 
 @dataclass(frozen=True)
-class StoreCounters:
+class StoreCounters(Counters):
     opened: int = 0
     closed: int = 0
     expired: int = 0
@@ -206,10 +207,7 @@ class SessionStore:
 
     # -- internals (caller holds self._lock) -----------------------------------------------
     def _count(self, **increments: int) -> None:
-        current = self._counters
-        self._counters = replace(
-            current, **{name: getattr(current, name) + n for name, n in increments.items()}
-        )
+        self._counters = self._counters.plus(**increments)
 
     def _lookup(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
