@@ -15,8 +15,6 @@ Kept thin on purpose: each number is one call into the code that does the accoun
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import re
 import sys
 from dataclasses import dataclass
@@ -26,16 +24,14 @@ import torch
 from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
 
 from llava.config import EngineConfig
-from llava.engine import DEFAULT_HOST_FRACTION
+from llava.engine import DEFAULT_HOST_FRACTION, device_split
 from llava.imageprep import image_aspect_ratio
-from llava.kv_pool import KVPool, kv_bytes_per_token
+from llava.kv_pool import BLOCK_TOKENS, kv_bytes_per_token
 from llava.memory import session_feature_bytes, session_kv_bytes
 from llava.prompt import ChatPrompt
 from llava.runner import Runner
 
 GiB, GB = 1024**3, 10**9
-# The pool's block size: a session holds whole blocks (llava.kv_pool.KVPool).
-BLOCK_TOKENS = inspect.signature(KVPool).parameters["block_tokens"].default
 
 
 @dataclass(frozen=True)
@@ -122,10 +118,8 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype) -> Checkpoint:
 
 def refusal(model, prompt: ChatPrompt) -> str | None:
     """What the engine's start would fail with (the checks llava.model and llava.runner run)."""
-    problem = Runner.supports(model)
-    if problem:
-        return f"ValueError: the step runner cannot run this model: {problem}"
     try:
+        Runner.check(model)
         image_aspect_ratio(model.config)
         prompt.check_stateful()
     except ValueError as e:
@@ -156,12 +150,11 @@ def fit(
     per_session: SessionBytes,
     gpu_bytes: int,
     host_bytes: int,
-    budget_fraction: float,
+    config: EngineConfig,
 ) -> Fit:
-    """Sessions per worker. The device budget is the engine's default rule
-    (llava.engine._session_budget: ``session_budget_fraction`` of the memory free after loading),
-    with "free" taken as GPU memory minus the weights."""
-    device = max(0, int((gpu_bytes - checkpoint.weight_bytes) * budget_fraction))
+    """Sessions per worker. The device budget is the engine's rule (llava.engine.device_split
+    of the memory free after loading), with "free" taken as GPU memory minus the weights."""
+    device = max(0, device_split(config, gpu_bytes - checkpoint.weight_bytes)[0])
     hot = per_session.kv + per_session.features
     return Fit(
         device_budget=device,
@@ -198,7 +191,7 @@ def report(
     workload: Workload,
     rows: dict[str, Instance],
     host_fraction: float,
-    budget_fraction: float,
+    config: EngineConfig,
 ) -> str:
     per = session_bytes(checkpoint, workload)
     lines = [
@@ -220,7 +213,7 @@ def report(
         f" {per.tokens} tokens)",
         "",
         f"sessions per instance (one worker, one GPU: maxWorkers 1; device budget"
-        f" {budget_fraction:g} x (GPU memory - weights); host tier budget"
+        f" {config.session_budget_fraction:g} x (GPU memory - weights); host tier budget"
         f" {host_fraction:g} x host RAM)",
         f"{'instance':<17} {'GPUs':>4} {'GPU mem':>10} {'host RAM':>11} {'budget':>10}"
         f" {'device KV':>9} {'host KV':>8} {'features':>9}",
@@ -230,7 +223,7 @@ def report(
             lines.append(f"{name:<17} the weights do not fit in {_gib(instance.gpu_memory_bytes)}")
             continue
         host = int(instance.host_memory_bytes * host_fraction)
-        f = fit(checkpoint, per, instance.gpu_memory_bytes, host, budget_fraction)
+        f = fit(checkpoint, per, instance.gpu_memory_bytes, host, config)
         lines.append(
             f"{name:<17} {f'1/{instance.gpus}':>4} {_gib(instance.gpu_memory_bytes):>10}"
             f" {_gib(instance.host_memory_bytes):>11} {_gib(f.device_budget):>10}"
@@ -292,14 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = INSTANCES
     checkpoint = load_checkpoint(args.model_dir, getattr(torch, args.dtype))
-    fraction = _default(EngineConfig, "session_budget_fraction")
     workload = Workload(args.turns, args.tokens_per_turn)
-    print(report(checkpoint, workload, rows, args.host_fraction, fraction))
+    print(report(checkpoint, workload, rows, args.host_fraction, EngineConfig(args.model_dir)))
     return 0 if checkpoint.refusal is None else 1
-
-
-def _default(cls, name: str):
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 if __name__ == "__main__":

@@ -225,6 +225,15 @@ class Engine:
         return question.strip()
 
 
+def device_split(config: EngineConfig, free: int) -> tuple[int, int]:
+    """(bytes for sessions, headroom) out of ``free`` device bytes, by the settings: unset,
+    the headroom is what ``session_budget_fraction`` leaves and sessions get the rest."""
+    headroom = config.device_headroom_bytes
+    if headroom is None:
+        headroom = int(free * (1 - config.session_budget_fraction))
+    return config.session_budget_bytes or free - headroom, headroom
+
+
 # Unset host_budget_bytes: this share of the memory free on the host at start (the rest is the
 # worker's own, the OS's and the page cache's).
 DEFAULT_HOST_FRACTION = 0.25
@@ -246,10 +255,7 @@ def memory_budget(config: EngineConfig, device: torch.device) -> MemoryBudget:
         device_bytes = config.session_budget_bytes or config.cpu_session_budget_bytes
         return MemoryBudget(device_bytes, host, config.device_headroom_bytes or 0)
     free, _total = torch.cuda.mem_get_info(device)
-    headroom = config.device_headroom_bytes
-    if headroom is None:
-        headroom = int(free * (1 - config.session_budget_fraction))
-    device_bytes = config.session_budget_bytes or free - headroom
+    device_bytes, headroom = device_split(config, free)
     if device_bytes + headroom > free or device_bytes <= 0:
         raise SettingsError(
             "session_budget_bytes",

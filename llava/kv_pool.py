@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+BLOCK_TOKENS = 16  # tokens per pool block unless a pool is given another size
+
 
 class KVPoolFull(Exception):
     """Not enough free blocks for a reservation; nothing was taken."""
@@ -38,7 +40,9 @@ class KVPool:
     loop owns it.
     """
 
-    def __init__(self, text_config, budget_bytes: int, device, dtype, block_tokens: int = 16):
+    def __init__(
+        self, text_config, budget_bytes: int, device, dtype, block_tokens: int = BLOCK_TOKENS
+    ):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         layers, kv_heads, head_dim = kv_geometry(text_config)

@@ -64,9 +64,7 @@ class Runner:
     def __init__(
         self, model, pool: KVPool, sampler: Sampler | None = None, attention: str | None = None
     ):
-        problem = self.supports(model)
-        if problem:
-            raise ValueError(f"the step runner cannot run this model: {problem}")
+        self.check(model)
         text = model.config.text_config
         layers, kv_heads, head_dim = kv_geometry(text)
         shape = pool.kv.shape
@@ -97,6 +95,13 @@ class Runner:
             raise ValueError(f"attention must be 'paged' or 'per_sequence', got {attention!r}")
         self.attention = attention
         self.graphs = None  # llava.graphs.DecodeGraphs, when captured (CUDA)
+
+    @classmethod
+    def check(cls, model) -> None:
+        """Raise ValueError saying why the runner cannot run ``model`` (engine start, capacity)."""
+        problem = cls.supports(model)
+        if problem:
+            raise ValueError(f"the step runner cannot run this model: {problem}")
 
     @staticmethod
     def supports(model) -> str | None:

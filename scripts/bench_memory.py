@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from llava.config import EngineConfig  # noqa: E402
 from llava.engine import Engine  # noqa: E402
-from llava.kv_pool import kv_bytes_per_token  # noqa: E402
+from llava.kv_pool import BLOCK_TOKENS, kv_bytes_per_token  # noqa: E402
 from llava.memory import (  # noqa: E402
     MemoryBudget,
     Tier,
@@ -40,7 +40,6 @@ from scripts.bench_turns import ensure_model  # noqa: E402
 MiB, GiB = 1 << 20, 1 << 30
 FILLER = "What color is the shape? "  # 6 tokens of the realistic tokenizer
 QUESTION = "And its shape?"
-BLOCK_TOKENS = 16
 DEADLINE_S = 59.0  # the longest turn_deadline_s allowed (SageMaker's 60 s limit)
 
 
