@@ -85,7 +85,6 @@ class Engine:
             banned_ids=banned_token_ids(
                 loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
             ),
-            device=loaded.device,
             image_token_id=loaded.model.config.image_token_id,
             max_positions=loaded.max_positions,
         )

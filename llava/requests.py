@@ -41,7 +41,6 @@ class RequestContext:
     tokenizer: object
     eos_token_ids: frozenset[int]
     banned_ids: object  # llava.logits_mask.banned_token_ids
-    device: torch.device
     image_token_id: int
     max_positions: int
 

@@ -89,9 +89,8 @@ def random_7b():
 
 def engine_table(sessions: list[int], new_tokens: int) -> None:
     from llava.config import EngineConfig
-    from llava.engine import Engine
-    from llava.session import Tier
-    from llava.store import SessionStore
+    from llava.engine import Engine, memory_budget
+    from llava.memory import Tier
     from llava.synthetic import held_out_samples
     from scripts.bench_concurrency import sessions_at_once
 
@@ -100,12 +99,8 @@ def engine_table(sessions: list[int], new_tokens: int) -> None:
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     print(f"\nrandom-weight llava-1.5-7b shape: {weights / 2**30:.2f} GiB of bf16 weights, "
           f"built in {time.perf_counter() - start:.0f} s")  # fmt: skip
-    free, _total = torch.cuda.mem_get_info()
-    budget = int(free * 0.8)
-    engine = Engine(
-        loaded, SessionStore(budget_bytes=budget), EngineConfig(model_dir=str(FIXTURE)),
-        max_batch=max(sessions),
-    )  # fmt: skip
+    config = EngineConfig(model_dir=str(FIXTURE))  # the engine's own budget rule, as served
+    engine = Engine(loaded, config, memory_budget(config, loaded.device), max_batch=max(sessions))
     engine.warm_up()
     graphs = engine.runner.graphs
     print(f"decode graphs: buckets {sorted(graphs.steps)} captured in {graphs.capture_s:.1f} s, "
@@ -118,8 +113,7 @@ def engine_table(sessions: list[int], new_tokens: int) -> None:
     for turn in range(9):
         engine.ask(session, QUESTIONS[turn % 3], {"max_new_tokens": 32, "min_new_tokens": 32})
     with_kv = engine.ask(session, QUESTIONS[0], forced)
-    engine.store.crop(engine.store._sessions[session].kv, with_kv.cached_tokens + 1)
-    engine.store.demote(engine.store._sessions[session])
+    engine.memory.drop_kv(engine.store.session(session).holding)  # features and history stay
     again = engine.ask(session, QUESTIONS[0], forced)
     assert again.tier is Tier.FEATURES
     print(f"turn 10: TTFT {with_kv.ttft_s * 1e3:.1f} ms with KV ({with_kv.new_tokens} new, "
@@ -141,10 +135,11 @@ def engine_table(sessions: list[int], new_tokens: int) -> None:
         print(f"{n:>9} {run.tokens_per_s:>9.1f} {statistics.median(run.ttft_s):>11.3f} "
               f"{statistics.median(run.turn_s):>11.3f}")  # fmt: skip
 
-    accounted = weights + engine.pool.allocated_bytes + graphs.reserved_bytes
+    pool = engine.memory.pool
+    accounted = weights + pool.allocated_bytes + graphs.reserved_bytes
     reserved = torch.cuda.memory_reserved()
     print(f"memory: accounted {accounted / 2**30:.2f} GiB (weights + KV pool "
-          f"{engine.pool.allocated_bytes / 2**30:.2f} + graphs), allocator reserved "
+          f"{pool.allocated_bytes / 2**30:.2f} + graphs), allocator reserved "
           f"{reserved / 2**30:.2f} GiB: {reserved / accounted:.3f}x")  # fmt: skip
     engine.stop()
 
