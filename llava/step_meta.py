@@ -42,10 +42,12 @@ class StepMeta:
 class StepBuffers:
     """A device buffer for the step's host-made integers, allocated once and grown only when
     a step needs more. On CUDA the host side is a pinned staging buffer, so the copy does not
-    block; the next step reuses it only after this step's ids came back (a sync)."""
+    block; the next upload waits for that copy to finish before it writes the staging buffer
+    again (steps that read their ids back have synced already; ``Runner.step`` alone has not)."""
 
     def __init__(self, device: torch.device, capacity: int = 4096):
         self.device = torch.device(device)
+        self._copied: torch.cuda.Event | None = None  # the last staging copy, on CUDA
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -53,12 +55,17 @@ class StepBuffers:
         self._host = torch.empty(capacity, dtype=torch.long, pin_memory=self.device.type == "cuda")
 
     def upload(self, values: list[int]) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()
         if len(values) > self._device_buffer.numel():
             self._allocate(2 * len(values))
         staging = self._host[: len(values)]
         staging.copy_(torch.tensor(values, dtype=torch.long))
         out = self._device_buffer[: len(values)]
         out.copy_(staging, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return out
 
 
