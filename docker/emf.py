@@ -17,6 +17,7 @@ lines, and at least every ``interval_s`` even when nothing did. One line per dim
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import threading
@@ -85,8 +86,8 @@ class EmfReporter:
         many lines were written."""
         try:
             now_values = parse_prometheus(self.scrape())
-        except OSError:
-            return 0  # TorchServe is (re)starting: nothing to report yet
+        except (OSError, http.client.HTTPException):
+            return 0  # TorchServe is (re)starting (refused, or a reply cut short): nothing yet
         now = self.clock()
         unchanged = self._last is not None and now_values == self._last
         if unchanged and now - self._last_at < self.interval_s:

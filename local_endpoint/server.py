@@ -28,6 +28,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
+from llava_client.limits import MAX_REQUEST_BYTES
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Router
 
@@ -38,8 +39,7 @@ INSTANCE_HEADER = "X-Local-Endpoint-Instance"
 NEW_SESSION = "NEW_SESSION"
 SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")  # botocore's SessionId pattern
 FORWARDED = ("Content-Type", "Accept", "X-Amzn-SageMaker-Custom-Attributes", SESSION_HEADER)
-# InvokeEndpoint's Body is at most 6 MB: botocore's sagemaker-runtime model (BodyBlob max).
-MAX_BODY_BYTES = 6 * 1024 * 1024
+MAX_BODY_BYTES = MAX_REQUEST_BYTES  # SageMaker's cap, the one the client checks too
 _ROUTE = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
 
 
