@@ -57,6 +57,8 @@ class EngineConfig:
     cpu_session_budget_bytes: int = 4 * GiB
     device_headroom_bytes: int | None = None
     host_budget_bytes: int | None = None
+    persist_dir: str | None = None
+    persist_max_bytes: int | None = None
     check_memory_when_idle: bool = False  # debug: the engine loop checks the books when idle
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
@@ -135,6 +137,14 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "host_budget_bytes": (
         lambda v: v is None or (_int(v) and v >= 0),
         "null (a quarter of the host's free memory) or an integer >= 0 (0: no host tier)",
+    ),
+    "persist_dir": (
+        lambda v: v is None or (isinstance(v, str) and os.path.isabs(v)),
+        "null (no persistent tier) or an absolute directory path",
+    ),
+    "persist_max_bytes": (
+        lambda v: v is None or _positive_int(v),
+        "null (half the directory's file system) or an integer > 0",
     ),
     "check_memory_when_idle": (lambda v: isinstance(v, bool), "true or false"),
     "default_max_new_tokens": (_positive_int, "an integer > 0"),

@@ -9,6 +9,7 @@ It raises only ``llava.errors`` types, so a transport can map every failure to a
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -26,13 +27,16 @@ from llava.logits_mask import banned_token_ids
 from llava.loop import EngineLoop
 from llava.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
 from llava.model import LoadedModel, load_model
+from llava.persist import model_identity, open_journal
 from llava.requests import Answer, Opened, OpenRequest, RequestContext, TurnRequest
 from llava.runner import Runner, StepInput
 from llava.sampling import Sampler
 from llava.scheduler import Scheduler
+from llava.session import Session
 from llava.store import SessionStore, StoreCounters
 
 __all__ = ["Answer", "Engine", "EngineStats", "Opened"]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,11 @@ class Engine:
         self.memory = MemoryManager.for_model(
             loaded.model.config.text_config, budget, loaded.device, loaded.dtype
         )
-        self.store = SessionStore(self.memory, ttl_s=config.session_ttl_s, clock=clock)
+        identity = model_identity(loaded.model, loaded.dtype)
+        self.journal = open_journal(config.persist_dir, config.persist_max_bytes, identity)
+        self.store = SessionStore(
+            self.memory, ttl_s=config.session_ttl_s, clock=clock, entries=self.journal
+        )
         self.context = RequestContext(
             registry=self.store,
             memory=self.memory,
@@ -87,7 +95,9 @@ class Engine:
             ),
             image_token_id=loaded.model.config.image_token_id,
             max_positions=loaded.max_positions,
+            journal=self.journal,
         )
+        self.adopted = self._adopt_persisted()
         vocab = loaded.model.config.text_config.vocab_size
         sampler = Sampler(vocab, self.context.banned_ids, loaded.eos_token_ids, loaded.device)
         self.runner = Runner(loaded.model, self.memory.pool, sampler)
@@ -123,6 +133,30 @@ class Engine:
         finally:
             self.memory.release(holding)
         self.runner.capture_graphs(self.loop.scheduler.max_batch)  # CUDA only
+
+    def _adopt_persisted(self) -> int:
+        """Sessions a previous worker of this model left in the persistent tier continue here:
+        same ids, same expiry, history and features; their KV is recomputed on their next
+        turn (tier FEATURES). Returns how many (docs/design.md §Persistent tier)."""
+        now = time.time()
+        adopted = 0
+        for entry in self.journal.load(now):
+            snapshot = entry.snapshot
+            holding = self.memory.hold_features(entry.features)
+            if holding is None:
+                self.journal.remove(snapshot.session_id)
+                logger.warning(
+                    "persistent tier: session %s not adopted: no room for its features",
+                    snapshot.session_id,
+                )
+                continue
+            session = Session(snapshot.session_id, snapshot.token_ids, holding)
+            session.messages, session.turns = snapshot.messages, snapshot.turns
+            self.store.restore(session, idle_s=max(0.0, now - snapshot.last_used_wall))
+            adopted += 1
+        if adopted:
+            logger.info("persistent tier: adopted %d sessions", adopted)
+        return adopted
 
     # -- the three operations --------------------------------------------------------------
     def open(self, image: Image.Image | None = None, session_id: str | None = None) -> Opened:

@@ -196,6 +196,20 @@ class MemoryManager:
             self._holdings.add(holding)
         return holding
 
+    def hold_features(self, features: torch.Tensor | None) -> Holding | None:
+        """A new pinned holding with ``features`` in pool blocks and no KV (tier FEATURES: the
+        next turn re-prefills), for a session adopted from the persistent tier; None if the
+        free blocks cannot take them (nobody is moved for a session no one is waiting on)."""
+        holding = self.hold()
+        if features is None:
+            return holding
+        with self._lock:
+            if blocks_for(features.numel(), self.pool.block_numel) > self.pool.free_blocks:
+                self.release(holding)
+                return None
+            self._store_features(holding, features)
+        return holding
+
     def adopt(self, holding: Holding, label: str) -> None:
         """The registry took it as session ``label``: counted, and movable once unpinned."""
         with self._lock:

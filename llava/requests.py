@@ -23,6 +23,7 @@ from llava.detokenizer import Detokenizer
 from llava.errors import InvalidRequest
 from llava.generation import GenerationParams
 from llava.memory import Holding, MemoryManager, Shortfall, Tier
+from llava.persist import NoJournal, SessionJournal, Snapshot
 from llava.prompt import ChatPrompt, assistant_message, common_prefix_length, user_message
 from llava.runner import StepInput
 from llava.session import Session
@@ -43,6 +44,20 @@ class RequestContext:
     banned_ids: object  # llava.logits_mask.banned_token_ids
     image_token_id: int
     max_positions: int
+    journal: SessionJournal | NoJournal = NoJournal()
+
+    def persist(self, session: Session, features: torch.Tensor | None = None) -> None:
+        """Write the session's committed state to the persistent tier before its reply goes
+        (docs/design.md §Persistent tier); the caller holds the session's turn."""
+        snapshot = Snapshot(
+            session.session_id,
+            session.token_ids,
+            session.messages,
+            session.turns,
+            time.time(),
+            self.registry.ttl_s,
+        )
+        self.journal.save(snapshot, features)
 
     def check_length(self, needed: int) -> None:
         if needed > self.max_positions:
@@ -188,8 +203,10 @@ class OpenRequest(_Request):
         registry = self.context.registry
         feed = self.feed
         session = Session(self.session_id or new_session_id(), feed.ids, self.holding)
-        registry.add(session)
-        self.holding = None  # the session owns it now
+        with session.lock:  # persisted before anyone else can use it
+            registry.add(session)
+            self.holding = None  # the session owns it now
+            self.context.persist(session, self.features)
         self.future.set_result(
             Opened(
                 session_id=session.session_id,
@@ -322,6 +339,7 @@ class TurnRequest(_Request):
         session.messages = [*self.messages, assistant_message(text)]
         session.turns += 1
         memory.crop(session.holding, session.kv.length)  # the blocks reserved but not written
+        self.context.persist(session)
         registry.end_turn(session)
         self.session = None
         registry.record_turn(len(self.prompt) - self.reused, self.reused)

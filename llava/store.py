@@ -28,6 +28,7 @@ from typing import Protocol
 from llava.counters import Counters
 from llava.errors import SessionIdInUse, SessionNotFound
 from llava.memory import Holding, IntegrityError
+from llava.persist import NoJournal
 from llava.session import Session
 
 _REMEMBERED_IDS = 10_000
@@ -54,6 +55,13 @@ class Holdings(Protocol):
     def check_integrity(self) -> set[str]: ...
 
 
+class Entries(Protocol):
+    """What the registry asks of the persistent tier (llava.persist): a session that goes
+    loses its entry."""
+
+    def remove(self, session_id: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class StoreCounters(Counters):
     opened: int = 0
@@ -76,8 +84,10 @@ class SessionStore:
         ttl_s: float = 20 * 60,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        entries: Entries | None = None,
     ):
         self.memory = memory
+        self.entries = NoJournal() if entries is None else entries
         self.ttl_s = ttl_s
         self._clock = clock
         self._wall_offset = lambda: wall_clock() - clock()
@@ -96,6 +106,14 @@ class SessionStore:
             self._sessions[session.session_id] = session
             self.memory.adopt(session.holding, session.session_id)
             self._count(opened=1)
+
+    def restore(self, session: Session, idle_s: float) -> None:
+        """Register a session adopted from the persistent tier, idle for ``idle_s`` already
+        (so it keeps its expiry); callers restore least recently used first."""
+        with self._lock:
+            session.last_used = self._clock() - idle_s
+            self._sessions[session.session_id] = session
+            self.memory.adopt(session.holding, session.session_id)
 
     def check_id_free(self, session_id: str) -> None:
         """Refuse an id a client asked for if it is live or still remembered."""
@@ -228,6 +246,7 @@ class SessionStore:
     def _remove(self, session_id: str, reason: str) -> None:
         session = self._sessions.pop(session_id)
         self.memory.release(session.holding)  # a no-op for an evicted one
+        self.entries.remove(session_id)
         self._gone[session_id] = reason
         while len(self._gone) > _REMEMBERED_IDS:
             self._gone.popitem(last=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,11 @@ from llava.synthetic import held_out_samples
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL_DIR = REPO / "models" / "demo-llava"
+# Every TorchServe, endpoint and container entrypoint a test starts inherits this: the served
+# archive's persistent tier (/dev/shm/stateful-llava) is off, so tests never share that
+# directory or adopt each other's sessions; the tier's own tests pass a temporary directory
+# (docs/design.md §Persistent tier).
+os.environ["LLAVA_PERSIST_DIR"] = "null"
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,355 @@
+"""The persistent tier: sessions that outlive their worker process (docs/design.md
+§Persistent tier).
+
+A bounded directory (default under /dev/shm, which outlives the process but not the host)
+holds, per session, a ``<id>.state`` file (token history, messages, turns, last use, TTL) and,
+for a session with an image, a ``<id>.features`` file (its image features, written once at
+open). Every file is written to a temporary name, fsynced and renamed over the old one, and
+carries a format version, the model's identity and a SHA-256 of everything before it, so an
+entry is either whole and verified or ignored. ``SessionJournal`` is what one engine calls at
+open, after each committed turn and when a session goes; ``load`` is what a restarted engine
+adopts. No TorchServe here: the engine writes, whatever serves it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llava.config import SettingsError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+STATE, FEATURES = ".state", ".features"
+_MAGIC = {STATE: b"LLVS", FEATURES: b"LLVF"}
+_HEAD = struct.Struct("<4sII")  # magic, format, header length
+_DIGEST = hashlib.sha256().digest_size
+_TEMP = ".tmp-"
+
+
+class BadEntry(ValueError):
+    """A file that is not a whole, verified entry of this model: never used."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session as committed: what a restarted engine needs to continue it."""
+
+    session_id: str
+    token_ids: list[int]
+    messages: list[dict]
+    turns: int
+    last_used_wall: float  # time.time() of its last commit
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class Persisted:
+    snapshot: Snapshot
+    features: torch.Tensor | None
+    features_digest: str | None = None
+
+    @property
+    def expires_wall(self) -> float:
+        return self.snapshot.last_used_wall + self.snapshot.ttl_s
+
+
+def model_identity(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """A hash of the checkpoint's config and its weights' names, sizes and dtype: entries of
+    another checkpoint (or of this one loaded in another dtype) are never adopted."""
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "_commit_hash", "transformers_version", "dtype"):
+        config.pop(volatile, None)
+    weights = sorted((name, list(t.shape)) for name, t in model.state_dict().items())
+    text = json.dumps([config, weights, str(dtype)], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def check_directory(directory: str, max_bytes: int | None) -> int:
+    """Create and try the directory; return the byte cap. A bad one is a SettingsError."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f"{_TEMP}probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        problem = f"{directory} is not a writable directory ({e})"
+        raise SettingsError("persist_dir", problem) from None
+    size = shutil.disk_usage(path).total
+    if max_bytes is None:
+        return size // 2
+    if max_bytes > size:
+        raise SettingsError(
+            "persist_max_bytes", f"{max_bytes} is more than {directory}'s {size}-byte file system"
+        )
+    return max_bytes
+
+
+@dataclass
+class _Entry:
+    """What one session's entry takes on disk, and the digest its state names."""
+
+    features_bytes: int = 0
+    features_digest: str | None = None
+    state_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.features_bytes + self.state_bytes
+
+
+class NoJournal:
+    """The persistent tier turned off: sessions die with their worker, as before."""
+
+    def save(self, snapshot: Snapshot, features: torch.Tensor | None = None) -> bool:
+        return False
+
+    def remove(self, session_id: str) -> None:
+        pass
+
+    def load(self, now_wall: float) -> list[Persisted]:
+        return []
+
+
+class SessionJournal:
+    """One engine's entries in ``directory``, at most ``max_bytes`` of them.
+
+    A save that would pass the cap removes the session's entry instead (it is then not
+    persisted: after a crash its id is not found, as before this tier); saves and removes are
+    serialized by one lock, so a removed session is never written back.
+    """
+
+    def __init__(self, directory: str | Path, max_bytes: int, model: str):
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.model = model
+        self._entries: dict[str, _Entry] = {}
+        self._total = 0
+        self._lock = threading.Lock()
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    def save(self, snapshot: Snapshot, features: torch.Tensor | None = None) -> bool:
+        """Persist a committed state (``features`` at open only); False if not persisted."""
+        session_id = snapshot.session_id
+        features_file = None if features is None else self._features_bytes(session_id, features)
+        with self._lock:
+            old = self._entries.get(session_id, _Entry())
+            new = _Entry(old.features_bytes, old.features_digest)
+            if features_file is not None:
+                new = _Entry(len(features_file), features_file[-_DIGEST:].hex())
+            state = _pack(STATE, self._state_header(snapshot, new.features_digest), b"")
+            new.state_bytes = len(state)
+            if self._total - old.total + new.total > self.max_bytes:
+                return self._drop(session_id, f"the directory is full ({self.max_bytes} bytes)")
+            try:
+                if features_file is not None:  # first: the state names them
+                    _write_atomically(self._path(session_id, FEATURES), features_file)
+                _write_atomically(self._path(session_id, STATE), state)
+            except OSError as e:
+                return self._drop(session_id, f"writing failed ({e})")
+            self._total += new.total - old.total
+            self._entries[session_id] = new
+            return True
+
+    def remove(self, session_id: str) -> None:
+        """Closed, expired or evicted: its entry goes (state first, so none is half-there)."""
+        with self._lock:
+            self._unlink(session_id)
+
+    def load(self, now_wall: float) -> list[Persisted]:
+        """Every live, whole entry of this model, least recently used first; everything else
+        in the directory that is ours (corrupt, truncated, foreign, expired, orphaned, over the
+        cap, temporary) is removed with one log line each."""
+        found: dict[str, set[str]] = {}
+        for path in self.directory.iterdir():
+            if path.name.startswith(_TEMP):
+                _discard(path, "an unfinished write")
+            elif path.suffix in (STATE, FEATURES):
+                found.setdefault(path.stem, set()).add(path.suffix)
+        entries = []
+        for session_id, suffixes in found.items():
+            if STATE not in suffixes:
+                _discard(self._path(session_id, FEATURES), "features without a state")
+                continue
+            try:
+                entry = self._read(session_id)
+            except BadEntry as e:
+                for suffix in suffixes:
+                    _discard(self._path(session_id, suffix), str(e))
+                continue
+            if FEATURES in suffixes and entry.features is None:
+                _discard(self._path(session_id, FEATURES), "features the state does not name")
+            entries.append(entry)
+        adopted = []
+        for entry in sorted(entries, key=lambda e: -e.snapshot.last_used_wall):  # newest first
+            session_id = entry.snapshot.session_id
+            if entry.expires_wall <= now_wall:
+                self._drop(session_id, "expired", log=logging.INFO)
+                continue
+            kept = self._on_disk(entry)
+            if self._total + kept.total > self.max_bytes:
+                self._drop(session_id, f"over the cap ({self.max_bytes} bytes)")
+                continue
+            self._entries[session_id] = kept
+            self._total += kept.total
+            adopted.append(entry)
+        return adopted[::-1]
+
+    # -- files -----------------------------------------------------------------------------
+    def _path(self, session_id: str, suffix: str) -> Path:
+        return self.directory / f"{session_id}{suffix}"
+
+    def _state_header(self, snapshot: Snapshot, features_digest: str | None) -> dict:
+        return {
+            "model": self.model,
+            "sessionId": snapshot.session_id,
+            "tokenIds": snapshot.token_ids,
+            "messages": snapshot.messages,
+            "turns": snapshot.turns,
+            "lastUsedWall": snapshot.last_used_wall,
+            "ttlS": snapshot.ttl_s,
+            "features": features_digest,
+        }
+
+    def _features_bytes(self, session_id: str, features: torch.Tensor) -> bytes:
+        data = features.detach().to("cpu").contiguous()
+        header = {
+            "model": self.model,
+            "sessionId": session_id,
+            "dtype": str(data.dtype).removeprefix("torch."),
+            "shape": list(data.shape),
+        }
+        return _pack(FEATURES, header, data.view(torch.uint8).numpy().tobytes())
+
+    def _on_disk(self, entry: Persisted) -> _Entry:
+        session_id = entry.snapshot.session_id
+        kept = _Entry(state_bytes=self._path(session_id, STATE).stat().st_size)
+        if entry.features is not None:
+            kept.features_bytes = self._path(session_id, FEATURES).stat().st_size
+            kept.features_digest = entry.features_digest
+        return kept
+
+    def _read(self, session_id: str) -> Persisted:
+        header, _ = self._unpack(session_id, STATE)
+        try:
+            snapshot = Snapshot(
+                session_id=header["sessionId"],
+                token_ids=[int(i) for i in header["tokenIds"]],
+                messages=list(header["messages"]),
+                turns=int(header["turns"]),
+                last_used_wall=float(header["lastUsedWall"]),
+                ttl_s=float(header["ttlS"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadEntry(f"a state without {e}") from None
+        if snapshot.session_id != session_id:
+            raise BadEntry("a state under another session's name")
+        features = None
+        if header["features"] is not None:
+            features_header, payload = self._unpack(session_id, FEATURES)
+            path = self._path(session_id, FEATURES)
+            with open(path, "rb") as f:
+                f.seek(-_DIGEST, os.SEEK_END)
+                if f.read(_DIGEST).hex() != header["features"]:
+                    raise BadEntry("features that are not the ones its state names")
+            features = _tensor(features_header, payload)
+        return Persisted(snapshot, features, header["features"])
+
+    def _unpack(self, session_id: str, suffix: str) -> tuple[dict, bytes]:
+        path = self._path(session_id, suffix)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise BadEntry(f"unreadable ({e})") from None
+        if len(data) < _HEAD.size + _DIGEST:
+            raise BadEntry("truncated")
+        body, digest = data[:-_DIGEST], data[-_DIGEST:]
+        magic, version, length = _HEAD.unpack_from(body)
+        if magic != _MAGIC[suffix]:
+            raise BadEntry("not an entry")
+        if hashlib.sha256(body).digest() != digest:
+            raise BadEntry("checksum mismatch (corrupt or truncated)")
+        if version != FORMAT:
+            raise BadEntry(f"format {version}, this server reads {FORMAT}")
+        try:
+            header = json.loads(body[_HEAD.size : _HEAD.size + length])
+        except ValueError:
+            raise BadEntry("an unreadable header") from None
+        if header.get("model") != self.model:
+            raise BadEntry("another model's entry")
+        return header, body[_HEAD.size + length :]
+
+    # -- removal (the caller holds self._lock, or is load) ---------------------------------
+    def _drop(self, session_id: str, why: str, log: int = logging.WARNING) -> bool:
+        logger.log(log, "persistent tier: session %s not kept: %s", session_id, why)
+        self._unlink(session_id)
+        return False
+
+    def _unlink(self, session_id: str) -> None:
+        self._total -= self._entries.pop(session_id, _Entry()).total
+        for suffix in (STATE, FEATURES):
+            self._path(session_id, suffix).unlink(missing_ok=True)
+
+
+def _pack(suffix: str, header: dict, payload: bytes) -> bytes:
+    text = json.dumps(header, separators=(",", ":")).encode()
+    body = _HEAD.pack(_MAGIC[suffix], FORMAT, len(text)) + text + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def _tensor(header: dict, payload: bytes) -> torch.Tensor:
+    try:
+        dtype = getattr(torch, header["dtype"])
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype)
+        return flat.view(*header["shape"])
+    except (AttributeError, KeyError, TypeError, RuntimeError) as e:
+        raise BadEntry(f"features that do not fit their header ({e})") from None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename, fsync of the directory: a crash leaves the old file or the
+    new one, never part of either (an unfinished temp file is removed at the next load)."""
+    temp = path.with_name(f"{_TEMP}{path.name}-{os.getpid()}-{threading.get_ident()}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def _discard(path: Path, why: str) -> None:
+    logger.warning("persistent tier: removed %s: %s", path.name, why)
+    path.unlink(missing_ok=True)
+
+
+def open_journal(
+    directory: str | None, max_bytes: int | None, model: str
+) -> SessionJournal | NoJournal:
+    """The engine's journal from its settings (a bad directory or cap fails the start)."""
+    if directory is None:
+        return NoJournal()
+    return SessionJournal(directory, check_directory(directory, max_bytes), model)

@@ -1,0 +1,160 @@
+"""The persistent tier (llava/persist.py): entries written at open and after each committed
+turn, adopted by a new engine of the same model; every bad entry is removed with a log line
+and never used (docs/design.md §Persistent tier)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import torch
+
+from llava.config import EngineConfig, SettingsError
+from llava.engine import Engine
+from llava.errors import SessionNotFound
+from llava.memory import MemoryBudget
+from llava.persist import FEATURES, STATE, SessionJournal, Snapshot, check_directory
+from llava.session import Tier
+
+QUESTIONS = ["What shape is it?", "And its color?", "Say that again.", "What color is the shape?"]
+MODEL = "model-a"
+
+
+def new_engine(demo_model, directory, **settings) -> Engine:
+    config = EngineConfig(model_dir="unused", persist_dir=str(directory), **settings)
+    return Engine(demo_model, config, MemoryBudget(1 << 30))
+
+
+def snapshot(session_id="s1", turns=1, last_used=None, ttl_s=60.0) -> Snapshot:
+    last_used = time.time() if last_used is None else last_used
+    return Snapshot(session_id, [1, 2, 3], [{"role": "user"}], turns, last_used, ttl_s)
+
+
+def test_a_new_engine_continues_a_session_as_if_nothing_happened(demo_model, sample, tmp_path):
+    control = new_engine(demo_model, tmp_path / "control")
+    control_id = control.open(sample.image).session_id
+    expected = [control.ask(control_id, q).text for q in QUESTIONS]
+
+    first = new_engine(demo_model, tmp_path / "tier")
+    opened = first.open(sample.image)
+    answers = [first.ask(opened.session_id, q).text for q in QUESTIONS[:3]]
+    first.stop()  # the worker "dies": nothing of it is used below but the directory
+
+    second = new_engine(demo_model, tmp_path / "tier")
+    assert second.adopted == 1
+    session = second.store.session(opened.session_id)
+    assert session.tier is Tier.FEATURES and session.turns == 3
+    answer = second.ask(opened.session_id, QUESTIONS[3])
+    assert answers + [answer.text] == expected
+    assert answer.tier is Tier.FEATURES and answer.expires_at >= opened.expires_at
+
+
+def test_a_turn_that_did_not_commit_leaves_the_previous_state(demo_model, sample, tmp_path):
+    first = new_engine(demo_model, tmp_path)
+    session_id = first.open(sample.image).session_id
+    first.ask(session_id, QUESTIONS[0])
+
+    def broken_transport(text, token_id):
+        raise ConnectionError("the reply's connection broke mid-turn")
+
+    with pytest.raises(ConnectionError):
+        first.ask(session_id, QUESTIONS[1], on_token=broken_transport)
+    second = new_engine(demo_model, tmp_path)
+    assert second.store.session(session_id).turns == 1
+
+
+def test_close_and_expiry_remove_entries(demo_model, sample, tmp_path):
+    engine = new_engine(demo_model, tmp_path, session_ttl_s=1)
+    closed = engine.open(sample.image).session_id
+    expiring = engine.open(None).session_id
+    engine.close(closed)
+    assert not list(tmp_path.glob(f"{closed}.*"))
+    deadline = time.monotonic() + 10
+    while list(tmp_path.glob(f"{expiring}.*")) and time.monotonic() < deadline:
+        engine.store.reap()
+        time.sleep(0.1)
+    assert not list(tmp_path.iterdir())
+
+
+def test_entries_of_another_model_are_removed_with_a_log_line(tmp_path, caplog):
+    SessionJournal(tmp_path, 1 << 20, "model-b").save(snapshot(), torch.ones(4, 8))
+    with caplog.at_level(logging.WARNING, "llava.persist"):
+        assert SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()) == []
+    assert "another model's entry" in caplog.text
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+@pytest.mark.parametrize("suffix", [STATE, FEATURES])
+def test_corrupt_or_truncated_entries_are_removed(tmp_path, caplog, damage, suffix):
+    journal = SessionJournal(tmp_path, 1 << 20, MODEL)
+    journal.save(snapshot("bad"), torch.ones(4, 8))
+    journal.save(snapshot("good"), torch.ones(4, 8))
+    path = tmp_path / f"bad{suffix}"
+    data = path.read_bytes()
+    damaged = {
+        "flip": data[:20] + bytes([data[20] ^ 1]) + data[21:],
+        "truncate": data[: len(data) // 2],
+        "empty": b"",
+    }[damage]
+    path.write_bytes(damaged)
+    with caplog.at_level(logging.WARNING, "llava.persist"):
+        adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time())
+    assert [e.snapshot.session_id for e in adopted] == ["good"]
+    assert torch.equal(adopted[0].features, torch.ones(4, 8))
+    assert "bad" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.features", "good.state"]
+
+
+def test_expired_orphaned_and_unfinished_files_are_removed(tmp_path):
+    journal = SessionJournal(tmp_path, 1 << 20, MODEL)
+    journal.save(snapshot("old", last_used=time.time() - 120, ttl_s=60))
+    journal.save(snapshot("orphan"), torch.ones(2, 2))
+    (tmp_path / "orphan.state").unlink()
+    (tmp_path / ".tmp-live.state-1-2").write_bytes(b"half")
+    journal.save(snapshot("live"))
+    adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time())
+    assert [e.snapshot.session_id for e in adopted] == ["live"]
+    assert [p.name for p in tmp_path.iterdir()] == ["live.state"]
+
+
+def test_the_directory_never_grows_past_its_cap(tmp_path, caplog):
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "cap").mkdir()
+    probe = SessionJournal(tmp_path / "probe", 1 << 20, MODEL)
+    probe.save(snapshot("probe"), torch.ones(64, 64))
+    per_session = probe.total_bytes
+    journal = SessionJournal(tmp_path / "cap", int(per_session * 2.5), MODEL)
+    with caplog.at_level(logging.WARNING, "llava.persist"):
+        kept = [journal.save(snapshot(f"s{i}"), torch.ones(64, 64)) for i in range(4)]
+    assert kept == [True, True, False, False]
+    assert "directory is full" in caplog.text
+    assert sum(p.stat().st_size for p in (tmp_path / "cap").iterdir()) <= journal.max_bytes
+    # a lower cap at the next start keeps the most recent entries that fit
+    smaller = SessionJournal(tmp_path / "cap", per_session, MODEL)
+    assert [e.snapshot.session_id for e in smaller.load(time.time())] == ["s1"]
+    assert sorted(p.name for p in (tmp_path / "cap").iterdir()) == ["s1.features", "s1.state"]
+
+
+def test_a_full_directory_degrades_to_sessions_lost(demo_model, sample, tmp_path):
+    engine = new_engine(demo_model, tmp_path, persist_max_bytes=100)  # too small for any
+    session_id = engine.open(sample.image).session_id
+    assert engine.ask(session_id, QUESTIONS[0]).text  # the turn is not failed
+    restarted = new_engine(demo_model, tmp_path)
+    with pytest.raises(SessionNotFound):
+        restarted.ask(session_id, QUESTIONS[1])
+
+
+def test_a_bad_directory_or_cap_fails_the_start_in_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SettingsError, match="^bad setting persist_dir: .* not a writable"):
+        check_directory(str(blocker / "sessions"), None)
+    with pytest.raises(SettingsError, match="^bad setting persist_max_bytes: .*file system"):
+        check_directory(str(tmp_path), 1 << 60)
+    with pytest.raises(SettingsError, match="persist_dir"):
+        EngineConfig(model_dir="x", persist_dir="relative/dir")
+    assert check_directory(str(tmp_path), None) > 0
+    assert os.access(tmp_path, os.W_OK)
