@@ -15,6 +15,9 @@ public port:
   ``_Reply.finish``).
 - a client that hangs up mid-stream: TorchServe would never tell the worker, so the front sends
   ``{"requestType": "CANCEL_TURN"}`` for the session and its turn stops at the next step.
+- the worker dying under a request (TorchServe's 507, a dropped connection, a stream cut
+  short): a 503 ``TURN_INTERRUPTED`` with ``Retry-After``, or a last ``{"error": ...}`` line
+  in the stream (handlers/interrupted.py); the session continues after the restart.
 
 Threads, not asyncio: a thread per connection is plenty for one worker's requests, and the
 stdlib keeps the container free of another web framework.
@@ -26,6 +29,15 @@ import http.client
 import json
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from handlers.errors import ErrorReply
+from handlers.interrupted import (
+    WORKER_DIED_STATUS,
+    StreamEnd,
+    interrupted_line,
+    interrupted_reply,
+    not_ready_reply,
+)
 
 # Per-connection headers (RFC 9110 §7.6.1): they describe one hop, so they are not forwarded.
 # Content-Length is set again for the body actually sent; Expect: 100-continue was answered here.
@@ -94,8 +106,7 @@ class _FrontHandler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         body = self._read_body()
         if not self.server.ready():
-            message = "the model server is starting or restarting; retry shortly"
-            self._reply_json(503, {"error": {"code": "NOT_READY", "message": message}})
+            self._reply_error(not_ready_reply("the model server is starting or restarting"))
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
         upstream = http.client.HTTPConnection(
@@ -104,10 +115,16 @@ class _FrontHandler(BaseHTTPRequestHandler):
         try:
             try:
                 upstream.request(self.command, self.path, body=body, headers=headers)
-                reply = upstream.getresponse()
             except OSError as e:  # TorchServe not (yet, or no longer) listening
-                message = f"model server unavailable: {e}"
-                self._reply_json(503, {"error": {"code": "NOT_READY", "message": message}})
+                self._reply_error(not_ready_reply(f"model server unavailable: {e}"))
+                return
+            try:
+                reply = upstream.getresponse()
+            except (OSError, http.client.HTTPException) as e:  # it took the request and died
+                self._reply_error(interrupted_reply(f"connection dropped: {e}"))
+                return
+            if reply.status == WORKER_DIED_STATUS:
+                self._reply_error(interrupted_reply("TorchServe: worker died"))
                 return
             self._relay(reply)
         finally:
@@ -121,10 +138,13 @@ class _FrontHandler(BaseHTTPRequestHandler):
         if reply.getheader("Content-Type", "").startswith(STREAM_TYPE):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            end = StreamEnd()
             try:
-                while piece := reply.read1(RELAY_CHUNK):  # whatever has arrived, no waiting
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                    self.wfile.flush()
+                for piece in _pieces(reply):
+                    end.feed(piece)
+                    self._write_chunk(piece)
+                if not end.finished:  # the worker died mid-stream: say so in the stream
+                    self._write_chunk(interrupted_line("the stream was cut short"))
                 self.wfile.write(b"0\r\n\r\n")
             except (BrokenPipeError, ConnectionResetError):
                 self._cancel_turn()
@@ -135,6 +155,10 @@ class _FrontHandler(BaseHTTPRequestHandler):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(payload)
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
 
     def _cancel_turn(self) -> None:
         """The client hung up: ask the worker to stop the session's turn at its next step."""
@@ -170,9 +194,14 @@ class _FrontHandler(BaseHTTPRequestHandler):
             pass
         return b"".join(parts)
 
-    def _reply_json(self, status: int, payload: dict) -> None:
+    def _reply_error(self, error: ErrorReply) -> None:
+        self._reply_json(error.status, error.payload, error.headers)
+
+    def _reply_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
         body = json.dumps(payload).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -180,3 +209,13 @@ class _FrontHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
         pass  # TorchServe's access log already records every forwarded request
+
+
+def _pieces(reply: http.client.HTTPResponse):
+    """Whatever has arrived of a streamed reply, no waiting; ends quietly where the upstream
+    broke off (the caller tells a finished stream from a broken one by its last line)."""
+    try:
+        while piece := reply.read1(RELAY_CHUNK):
+            yield piece
+    except (OSError, http.client.HTTPException):
+        return

@@ -18,6 +18,7 @@ STATUS_BY_ERROR: dict[type[errors.EngineError], int] = {
     errors.NotAnImage: 415,
     errors.ImageFetchFailed: 424,
     errors.NoCapacity: 503,  # and its subclass Busy (KV_MEMORY_FULL), which says when to retry
+    errors.TurnInterrupted: 503,  # the worker died during the request: retry after the restart
 }
 INTERNAL_ERROR = 500
 

@@ -75,3 +75,16 @@ class Busy(NoCapacity):
     def __init__(self, message: str, *, retry_after_s: float = 1.0):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class TurnInterrupted(EngineError):
+    """The worker serving a request died before answering it. Raised for the worker by what
+    fronts it (docker/front.py, the local endpoint), never by the engine: with the persistent
+    tier the session continues from its last answered turn once the restarted worker is up,
+    so the call may be sent again after ``retry_after_s`` (HTTP 503 with Retry-After)."""
+
+    code = "TURN_INTERRUPTED"
+
+    def __init__(self, message: str, *, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -8,8 +8,9 @@
 
 The session id is the one the endpoint issues (``NewSessionId``), or the caller's own
 (``client.open(image, session_id="ticket-4711")``). A 503 that says when to retry (the
-container's ``KV_MEMORY_FULL``, with ``Retry-After``) is sent again after that wait, with
-jitter, at most ``busy_retries`` times (0: never). With ``recover=True``
+container's ``KV_MEMORY_FULL``, with ``Retry-After``; ``NOT_READY`` while its worker restarts)
+is sent again after that wait, with jitter, at most ``busy_retries`` times (0: never); a turn
+whose worker died under it (``TURN_INTERRUPTED``) at most once of those. With ``recover=True``
 (the default), a session that is gone (its instance was replaced, it expired or was evicted)
 is re-opened on the same image and its questions are asked again in order, so that the next
 ``ask`` continues the conversation; the answers are regenerated (identical under greedy
@@ -37,6 +38,7 @@ from llava_client.limits import request_body
 
 logger = logging.getLogger(__name__)
 NEW_SESSION = "NEW_SESSION"
+TURN_INTERRUPTED = "TURN_INTERRUPTED"
 T = TypeVar("T")
 
 
@@ -132,13 +134,16 @@ class LlavaClient:
     def _retrying_busy(self, call: Callable[[], T], with_session: bool) -> T:
         """``call()``; a refusal that says when to retry is retried (a stream's too: a busy
         turn is refused before its first token, docs/design.md §Client retries on 503)."""
-        attempt = 0
+        attempt, interrupted = 0, 0
         while True:
             try:
                 return call()
             except ClientError as err:
                 error = from_client_error(err, with_session)
-                if error.retry_after_s is None or attempt == self.busy_retries:
+                # A turn its worker died under is sent again once: the session goes on from
+                # its last answered turn on the restarted worker (docs/design.md §Persistent tier).
+                interrupted += error.code == TURN_INTERRUPTED
+                if error.retry_after_s is None or attempt == self.busy_retries or interrupted > 1:
                     raise error from err
             attempt += 1
             self.busy_retried += 1

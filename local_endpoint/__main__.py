@@ -13,12 +13,14 @@ the whole instance is restarted (scripts/supervisor.py) and gets no requests unt
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 from pathlib import Path
 
 from local_endpoint.router import Backend, Router
 from local_endpoint.server import EndpointServer
+from scripts.endpoint_ctl import instance_env
 from scripts.supervisor import Supervisor
 from scripts.torchserve_ctl import TorchServeInstance
 
@@ -42,10 +44,13 @@ def instance(spec: str) -> tuple[str, TorchServeInstance]:
 
 
 def supervised(name: str, ts: TorchServeInstance, stop: threading.Event) -> Backend:
+    ts.env.update(instance_env(name, dict(os.environ)))  # what its restarts get, as at start
     supervisor = Supervisor(ts, log=lambda line: print(f"{name}: {line}", flush=True))
     supervisor.adopt()
     supervisor.watch_in_thread(stop)
-    return Backend(name, ts.inference_url, ready=supervisor.ready)
+    return Backend(
+        name, ts.inference_url, ready=supervisor.ready, supervised=lambda: not supervisor.gave_up
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,12 @@ class Backend:
     failed_at: float = 0.0
     sessions: set[str] = field(default_factory=set)
     ready: Callable[[], bool] | None = None  # None: probe /ping now and then
+    # Supervised: whether its supervisor is still bringing it back (False once it gave up).
+    supervised: Callable[[], bool] | None = None
+
+    def coming_back(self) -> bool:
+        """A supervised instance that is (or will be) serving again, with its sessions."""
+        return self.supervised is not None and self.supervised()
 
     def serving(self) -> bool:
         """Whether requests may go to this instance now."""

@@ -14,9 +14,13 @@ A body over SageMaker's 6 MB cap (``MAX_BODY_BYTES``) is refused with a 400 ``Va
 before any container sees it, as SageMaker refuses it.
 
 A container reply other than 200 becomes what SageMaker makes of it: 424 ``ModelError`` with
-``OriginalStatusCode`` and ``OriginalMessage`` (the container's body). Streamed replies are
-framed as ``PayloadPart`` events. Every reply names the instance in ``X-Local-Endpoint-Instance``
-(SageMaker has no such header; tests use it to see stickiness).
+``OriginalStatusCode`` and ``OriginalMessage`` (the container's body). A supervised instance
+that is restarting keeps its sessions (the persistent tier brings them back): a call meanwhile
+gets the container front's 503 ``NOT_READY``, a call its dying worker held (TorchServe's 507,
+a dropped connection) a 503 ``TURN_INTERRUPTED``, and a stream cut short ends with that error
+line, as the container's front (docker/front.py) answers them (handlers/interrupted.py).
+Streamed replies are framed as ``PayloadPart`` events. Every reply names the instance in
+``X-Local-Endpoint-Instance`` (SageMaker has no such header; tests use it to see stickiness).
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
+from handlers.errors import ErrorReply
+from handlers.interrupted import (
+    WORKER_DIED_STATUS,
+    StreamEnd,
+    interrupted_line,
+    interrupted_reply,
+    not_ready_reply,
+)
 from llava_client.limits import MAX_REQUEST_BYTES
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Router
@@ -82,6 +94,12 @@ def model_error(status: int, body: bytes) -> Rejected:
         ErrorCode=f"{kind.upper()}_ERROR_FROM_MODEL",
         LogStreamArn="local-endpoint",
     )
+
+
+def front_error(error: ErrorReply) -> Rejected:
+    """What the container's front would answer, as SageMaker passes it on (no headers: the
+    wait is in the body's ``retryAfterS``)."""
+    return model_error(error.status, json.dumps(error.payload).encode())
 
 
 class BackendDown(Exception):
@@ -168,23 +186,35 @@ class _Handler(BaseHTTPRequestHandler):
                     f"Session {session_id} does not exist: it was never opened, was closed, "
                     "or its instance is gone"
                 )
-            try:
-                if not backend.serving():  # e.g. restarting: its sessions are gone
-                    raise BackendDown(f"instance {backend.name} is not serving")
-                reply = self._forward(backend, body)
-            except BackendDown:
-                lost = self.server.router.mark_dead(backend)
-                raise validation_error(
-                    f"Session {session_id} does not exist any more: instance {backend.name} "
-                    f"stopped answering ({lost} sessions lost)"
-                ) from None
+            reply = self._forward_to_session(backend, session_id, body)
         with reply:
+            if reply.status == WORKER_DIED_STATUS and backend.coming_back():
+                raise front_error(interrupted_reply("TorchServe: worker died"))
             if reply.status != 200:
                 raise model_error(reply.status, reply.read())
             if streaming:
                 self._stream(backend, reply)
             else:
                 self._relay(backend, reply, opening=session_id == NEW_SESSION)
+
+    def _forward_to_session(
+        self, backend: Backend, session_id: str, body: bytes
+    ) -> http.client.HTTPResponse:
+        """To the session's instance; a supervised one that is restarting keeps its sessions."""
+        try:
+            if not backend.serving():
+                if backend.coming_back():
+                    raise front_error(not_ready_reply(f"instance {backend.name} is restarting"))
+                raise BackendDown(f"instance {backend.name} is not serving")
+            return self._forward(backend, body)
+        except BackendDown as down:
+            if backend.coming_back():
+                raise front_error(interrupted_reply(str(down))) from None
+            lost = self.server.router.mark_dead(backend)
+            raise validation_error(
+                f"Session {session_id} does not exist any more: instance {backend.name} "
+                f"stopped answering ({lost} sessions lost)"
+            ) from None
 
     def _forward_to_any(self, body: bytes) -> tuple[Backend, http.client.HTTPResponse]:
         """Opens and stateless calls may go anywhere: try the live instances, least loaded first."""
@@ -231,14 +261,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
         self.end_headers()
+        end = StreamEnd()
         try:
             try:
                 while chunk := reply.read1(65536):
+                    end.feed(chunk)
                     for part in _split(chunk, self.server.part_bytes):
                         self._write_chunk(eventstream.payload_part(part))
-            except (OSError, http.client.HTTPException) as err:
-                message = f"instance {backend.name} broke the stream: {err}"
-                self._write_chunk(eventstream.model_stream_error(message, "ModelStreamError"))
+            except (OSError, http.client.HTTPException):
+                pass  # told below, in the stream's own terms
+            if not end.finished:  # what the container's front adds to a stream cut short
+                line = interrupted_line(f"instance {backend.name} broke the stream")
+                self._write_chunk(eventstream.payload_part(line))
             self._write_chunk(b"")
         except ClientGone:
             self._cancel_turn(backend)

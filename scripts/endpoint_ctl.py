@@ -7,8 +7,10 @@
 ``start`` returns once every instance has a READY worker and the endpoint answers ``/ping``;
 the instances (``<run-dir>/instance-<i>``, free loopback ports) and the endpoint process keep
 running in the background until ``stop``. The endpoint process supervises the instances: one
-whose worker dies is restarted whole (scripts/supervisor.py), its sessions lost. LLAVA_*
-variables in the environment reach the instances (e.g.
+whose worker dies is restarted whole (scripts/supervisor.py) and adopts its sessions from
+its own persistent-tier directory, ``<LLAVA_PERSIST_DIR>/instance-<i>`` (instances on one
+machine must not adopt each other's sessions; ``LLAVA_PERSIST_DIR=null`` turns the tier off).
+LLAVA_* variables in the environment reach the instances (e.g.
 ``LLAVA_INTAKE='{"allow": ["127.0.0.1"]}'`` for images served on loopback).
 """
 
@@ -35,6 +37,17 @@ from local_endpoint.router import answers_ping  # noqa: E402
 from scripts.torchserve_ctl import TorchServeError, TorchServeInstance, _tail  # noqa: E402
 
 STATE = "endpoint.json"
+# The served archive's persist_dir (model-config.yaml), when LLAVA_PERSIST_DIR does not say.
+DEFAULT_PERSIST_DIR = "/dev/shm/stateful-llava"
+
+
+def instance_env(name: str, environ: dict[str, str]) -> dict[str, str]:
+    """The settings one instance gets beside the shared ones: its own persistent-tier
+    directory under the shared one (docs/design.md §Persistent tier)."""
+    base = environ.get("LLAVA_PERSIST_DIR", DEFAULT_PERSIST_DIR)
+    if base == "null":
+        return {}
+    return {"LLAVA_PERSIST_DIR": os.path.join(base, name)}
 
 
 @dataclass
@@ -63,8 +76,12 @@ class LocalEndpoint:
             raise TorchServeError(f"the endpoint already runs from {self.run_dir}: stop it first")
         _check_port_free(self.port)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        shared = {**os.environ, **self.env}
         instances = [
-            TorchServeInstance.on_free_ports(self.run_dir / f"instance-{i}", env=self.env)
+            TorchServeInstance.on_free_ports(
+                self.run_dir / f"instance-{i}",
+                env={**self.env, **instance_env(f"instance-{i}", shared)},
+            )
             for i in range(self.instances)
         ]
         try:

@@ -3,8 +3,9 @@
 Why the whole instance: in TorchServe 0.12 async mode a restarted worker never becomes READY on
 the management API, a request that reaches it while it reloads crash-loops it ("Received more
 than 1 control command"), and scaling the model 0 -> 1 races with the dead worker's own
-scheduled retry (docs/design.md §Worker restarts). The worker's sessions die with it
-anyway, so a fresh TorchServe loses nothing more and carries no stale Java state.
+scheduled retry (docs/design.md §Worker restarts). The worker's sessions are in the persistent
+tier (docs/design.md §Persistent tier), which the fresh TorchServe's worker adopts; the
+fresh instance carries no stale Java state.
 
 ``ready()`` is what fronts ask before forwarding anything: True only while the worker that
 ``start`` (or a restart) saw READY is alive, so nothing is sent to a reloading instance. Java
@@ -44,6 +45,7 @@ class Supervisor:
         self.log = log
         self.restarts: deque[float] = deque()  # monotonic times of the restarts in the window
         self._pid: int | None = None  # the READY worker we watch; None while (re)starting
+        self.gave_up = False  # watch_in_thread ended: the instance is left down
 
     def ready(self) -> bool:
         pid = self._pid
@@ -81,6 +83,7 @@ class Supervisor:
             try:
                 self.watch(stop)
             except TorchServeError as e:
+                self.gave_up = True
                 self.log(f"supervisor: {str(e).splitlines()[0]}; instance left down")
 
         thread = threading.Thread(target=run, name=f"supervise {self.ts.root.name}", daemon=True)
@@ -100,7 +103,7 @@ class Supervisor:
         self.restarts.append(now)
         self.log(f"supervisor: worker {dead} died, restarting TorchServe ({self.ts.root})")
         began = time.monotonic()
-        self.ts.stop(graceful=False)  # nothing to save: the sessions died with the worker
+        self.ts.stop(graceful=False)  # nothing to save: the sessions are in the persistent tier
         pid = self.start()
         self.log(f"supervisor: READY again in {time.monotonic() - began:.1f} s: worker pid {pid}")
         return pid
