@@ -20,10 +20,14 @@ import pytest
 import requests
 
 from llava.synthetic import held_out_samples
+from llava_client import LlavaClient
+from llava_client.errors import LlavaError
+from scripts.endpoint_ctl import LocalEndpoint
 from scripts.make_mar import build_mar
 from scripts.supervisor import Supervisor
 from scripts.torchserve_ctl import TorchServeInstance, free_ports
 from tests.conftest import DEMO_MODEL_DIR, REPO
+from tests.endpoint_helpers import ENDPOINT, runtime
 from tests.intake_servers import image_bytes
 
 sys.path.insert(0, str(REPO / "docker"))
@@ -160,3 +164,48 @@ def test_sessions_survive_a_killed_worker_and_turns_in_flight_get_a_retryable_50
     for session_id in sessions[1:]:
         assert text(ask(url, session_id, QUESTIONS[3])) == expected[3]
     print(f"kill -> first answered turn on a surviving session: {recovered_s:.1f} s")
+
+
+def test_the_client_goes_on_through_the_local_endpoint_without_replaying(tmp_path):
+    """make endpoint's arrangement (scripts/endpoint_ctl.py: supervised instances, each with
+    its own directory under LLAVA_PERSIST_DIR) and real boto3 through llava_client: a turn
+    cut by the worker's death is sent again once and answered; nothing is replayed."""
+    if not MAR.exists():
+        build_mar(DEMO_MODEL_DIR)
+    endpoint = LocalEndpoint(
+        tmp_path / "endpoint",
+        1,
+        port=free_ports(1)[0],
+        env={"LLAVA_PERSIST_DIR": str(tmp_path / "sessions")},
+    )
+    endpoint.start(timeout=180)
+    try:
+        assert (tmp_path / "sessions" / "instance-0").is_dir()  # the instance's own directory
+        client = LlavaClient(
+            ENDPOINT, runtime=runtime(endpoint), busy_retries=40, max_retry_wait_s=2.0
+        )
+        image = image_bytes(held_out_samples(1, seed=91_000)[0].image)
+        with client.open(image) as control:
+            expected = [control.ask(q).text for q in QUESTIONS]
+        streamed, whole = client.open(image), client.open(image)
+        for chat in (streamed, whole):
+            assert [chat.ask(q).text for q in QUESTIONS[:3]] == expected[:3]
+        worker = endpoint.instances_started[0].worker_pid()
+        outcome: dict[str, object] = {}
+        whole_turn = threading.Thread(
+            target=lambda: outcome.update(whole=whole.ask(QUESTIONS[3], **LONG))
+        )
+        whole_turn.start()
+        with pytest.raises(LlavaError) as broken:
+            for _text in streamed.ask_stream(QUESTIONS[3], **LONG):
+                if worker is not None:
+                    os.kill(worker, signal.SIGKILL)  # at its first text
+                    worker = None
+        assert broken.value.code == "TURN_INTERRUPTED"
+        whole_turn.join(timeout=240)
+        # the interrupted whole turn was sent again and answered after the restart
+        assert outcome["whole"].reply["generation"]["generatedTokens"] == LONG["max_new_tokens"]
+        assert streamed.ask(QUESTIONS[3]).text == expected[3]  # from its last committed turn
+        assert streamed.recoveries == whole.recoveries == 0 and client.busy_retried >= 1
+    finally:
+        endpoint.stop()
