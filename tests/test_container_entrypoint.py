@@ -116,8 +116,12 @@ def watch_start(container: Container) -> list[tuple[int | None, bool, int | None
 
 @pytest.mark.parametrize("kind", ["mar", "mar-reference", "checkpoint"])
 def test_ping_is_200_only_once_ready_then_serves_and_stops(tmp_path, kind):
+    sessions = tmp_path / "sessions"  # the persistent tier's directory, set as a deployer would
     container = Container(
-        tmp_path, lay_out(tmp_path / "opt-ml-model", kind), LLAVA_SESSION_TTL_S="321"
+        tmp_path,
+        lay_out(tmp_path / "opt-ml-model", kind),
+        LLAVA_SESSION_TTL_S="321",
+        LLAVA_PERSIST_DIR=str(sessions),
     )
     try:
         seen = watch_start(container)
@@ -137,6 +141,7 @@ def test_ping_is_200_only_once_ready_then_serves_and_stops(tmp_path, kind):
         expires = datetime.strptime(opened.json()["expiresAt"], "%Y-%m-%dT%H:%M:%SZ")
         ttl = (expires.replace(tzinfo=UTC) - datetime.now(UTC)).total_seconds()
         assert 300 < ttl <= 322  # LLAVA_SESSION_TTL_S reached the worker
+        assert (sessions / f"{session}.state").is_file()  # and LLAVA_PERSIST_DIR did
 
         ask = {"requestType": "SESSION", "inputs": "Say that again.", "stream": True}
         with container.invoke(ask, session, stream=True) as streamed:
@@ -151,6 +156,7 @@ def test_ping_is_200_only_once_ready_then_serves_and_stops(tmp_path, kind):
         assert unknown.json()["error"]["code"] == "SESSION_NOT_FOUND"
         closed = container.invoke({"requestType": "CLOSE_SESSION"}, session)
         assert closed.headers["X-Amzn-SageMaker-Closed-Session-Id"] == session
+        assert not list(sessions.iterdir())  # a closed session leaves no entry
 
         processes = container.descendants()
         container.process.terminate()  # what `docker stop` sends
