@@ -18,8 +18,8 @@ from llava.errors import TurnInterrupted
 
 # TorchServe's status for "the worker died during this request" (README: TorchServe's answers).
 WORKER_DIED_STATUS = 507
-# A whole-instance restart with the demo model takes 10-30 s here (docs/design.md §Supervisor
-# numbers); a caller that waits this long usually finds it up, else gets NOT_READY's wait.
+# A whole-instance restart with the demo model takes 10-30 s here (docs/design.md
+# §Supervisor numbers); a caller that waits this long usually finds it up, else NOT_READY's.
 RETRY_AFTER_S = 10.0
 # While the worker (re)starts: fronts refuse at once and say when to come back.
 NOT_READY_RETRY_AFTER_S = 5.0
