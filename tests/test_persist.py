@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from handlers.interrupted import StreamEnd
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.errors import SessionNotFound
@@ -158,3 +159,22 @@ def test_a_bad_directory_or_cap_fails_the_start_in_one_line(tmp_path):
         EngineConfig(model_dir="x", persist_dir="relative/dir")
     assert check_directory(str(tmp_path), None) > 0
     assert os.access(tmp_path, os.W_OK)
+
+
+def test_a_stream_is_finished_only_by_a_whole_last_line_that_is_not_a_token():
+    token = b'{"token": {"id": 5, "text": "red"}}\n'
+    final = b'{"generation": {"text": "red"}, "usage": {}}\n'
+    error = b'{"error": {"code": "TURN_INTERRUPTED", "message": "m"}}\n'
+    for stream, finished in [
+        (token + final, True),
+        (token + error, True),
+        (token, False),
+        (token + final[:-1], False),  # the final reply cut before its newline
+        (token + final[:10], False),
+        (b"", False),
+    ]:
+        for cut in range(len(stream) + 1):  # however the bytes arrive
+            end = StreamEnd()
+            end.feed(stream[:cut])
+            end.feed(stream[cut:])
+            assert end.finished is finished, (stream, cut)
