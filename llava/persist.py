@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import threading
@@ -35,6 +36,7 @@ _MAGIC = {STATE: b"LLVS", FEATURES: b"LLVF"}
 _HEAD = struct.Struct("<4sII")  # magic, format, header length
 _DIGEST = hashlib.sha256().digest_size
 _TEMP = ".tmp-"
+_FILE_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,255}")
 
 
 class BadEntry(ValueError):
@@ -145,6 +147,9 @@ class SessionJournal:
     def save(self, snapshot: Snapshot, features: torch.Tensor | None = None) -> bool:
         """Persist a committed state (``features`` at open only); False if not persisted."""
         session_id = snapshot.session_id
+        if not _FILE_SAFE_ID.fullmatch(session_id):  # the wire's ids always are (SageMaker's)
+            logger.warning("persistent tier: session %r not kept: not a file name", session_id)
+            return False
         features_file = None if features is None else self._features_bytes(session_id, features)
         with self._lock:
             old = self._entries.get(session_id, _Entry())

@@ -121,6 +121,13 @@ def test_expired_orphaned_and_unfinished_files_are_removed(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["live.state"]
 
 
+def test_an_id_that_is_no_file_name_is_not_persisted(tmp_path):
+    journal = SessionJournal(tmp_path / "d", 1 << 20, MODEL)
+    (tmp_path / "d").mkdir()
+    assert journal.save(snapshot("../escape")) is False
+    assert not list(tmp_path.rglob("*escape*"))
+
+
 def test_the_directory_never_grows_past_its_cap(tmp_path, caplog):
     (tmp_path / "probe").mkdir()
     (tmp_path / "cap").mkdir()
