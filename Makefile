@@ -68,7 +68,8 @@ demo: demo-mar
 # the handler's per-request cost against the number of idle sessions held, the local
 # endpoint's hop, what the container's /ping front adds per turn, many sessions at once
 # (batched turns against one request at a time), then session memory across tiers (restore
-# from host against recompute, sessions per tier, accounted against actual bytes).
+# from host against recompute, sessions per tier, accounted against actual bytes), and the
+# persistent tier (turn latency on/off, bytes per session, kill to the next answered turn).
 bench: demo-mar
 	$(PY) scripts/bench_turns.py
 	$(PY) scripts/bench_handler.py
@@ -79,6 +80,7 @@ bench: demo-mar
 	$(PY) scripts/bench_attention.py
 	$(PY) scripts/bench_concurrency.py
 	$(PY) scripts/bench_memory.py
+	$(PY) scripts/bench_persist.py
 
 # On a CUDA machine: the CUDA tests, the attention candidates and the engine's table on a
 # random-weight model of llava-1.5-7b's shape (scripts/gpu_check.py). Without CUDA: one
