@@ -42,9 +42,15 @@ def test_a_new_engine_continues_a_session_as_if_nothing_happened(demo_model, sam
     opened = first.open(sample.image)
     answers = [first.ask(opened.session_id, q).text for q in QUESTIONS[:3]]
     first.stop()  # the worker "dies": nothing of it is used below but the directory
+    (tmp_path / "tier" / "junk.state").write_bytes(b"\x00" * 100)  # never crashes the start
+    SessionJournal(tmp_path / "tier", 1 << 20, "another-model").save(snapshot("foreign"))
 
     second = new_engine(demo_model, tmp_path / "tier")
     assert second.adopted == 1
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == [
+        f"{opened.session_id}.features",
+        f"{opened.session_id}.state",
+    ]
     session = second.store.session(opened.session_id)
     assert session.tier is Tier.FEATURES and session.turns == 3
     answer = second.ask(opened.session_id, QUESTIONS[3])

@@ -59,8 +59,13 @@ def assert_failed_on(started: subprocess.CompletedProcess, instance_dir: Path, l
             """bad setting LLAVA_INTAKE: '{"allow": ["127.0.0.1"' """
             "is not a JSON object of intake settings",
         ),
+        (
+            {"LLAVA_PERSIST_DIR": "/dev/null/sessions"},  # checked once the model is in
+            "bad setting LLAVA_PERSIST_DIR: /dev/null/sessions is not a writable directory "
+            "([Errno 20] Not a directory: '/dev/null/sessions')",
+        ),
     ],
-    ids=["ttl", "intake"],
+    ids=["ttl", "intake", "persist-dir"],
 )
 def test_bad_environment_setting_fails_the_start_with_its_line(tmp_path, demo_store, env, line):
     started = serve(tmp_path / "ts", demo_store, **env)
