@@ -10,6 +10,7 @@ history, and a failure demotes its session but leaves its history
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -28,6 +29,8 @@ from llava.prompt import ChatPrompt, assistant_message, common_prefix_length, us
 from llava.runner import StepInput
 from llava.session import Session
 from llava.store import SessionStore, new_session_id
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,11 @@ class RequestContext:
             time.time(),
             self.registry.ttl_s,
         )
-        self.journal.save(snapshot, features)
+        try:
+            self.journal.save(snapshot, features)
+        except Exception:  # a bug here must not fail a committed turn: the entry goes instead
+            logger.exception("persistent tier: session %s not kept", session.session_id)
+            self.journal.remove(session.session_id)
 
     def check_length(self, needed: int) -> None:
         if needed > self.max_positions:

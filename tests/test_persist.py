@@ -191,3 +191,15 @@ def test_a_stream_is_finished_only_by_a_whole_last_line_that_is_not_a_token():
             end.feed(stream[:cut])
             end.feed(stream[cut:])
             assert end.finished is finished, (stream, cut)
+
+
+def test_a_failing_write_never_fails_the_turn(demo_model, sample, tmp_path, monkeypatch):
+    engine = new_engine(demo_model, tmp_path)
+    session_id = engine.open(sample.image).session_id
+
+    def broken(snapshot, features=None):
+        raise RuntimeError("a bug in the tier")
+
+    monkeypatch.setattr(engine.journal, "save", broken)
+    assert engine.ask(session_id, QUESTIONS[0]).text == sample.shape
+    assert not list(tmp_path.iterdir())  # not persisted any more, rather than stale
