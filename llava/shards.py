@@ -1,0 +1,226 @@
+"""Engine shards: one worker drives every device, one ``Engine`` per device.
+
+``ShardedEngine`` has the engine's surface (``open``, ``ask``, ``close``, ``warm_up``,
+``check_integrity``, ``stop``) over N engines, each with its own model copy, loop thread, KV
+pool and memory manager. An open is placed on the shard with the most free device memory
+(ties: the fewest requests in flight); every later call of that session goes to its shard
+by id. A shard's failure fails only the requests it runs, as ``ShardFailed``
+(docs/design.md §Engine shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from llava.config import EngineConfig
+from llava.engine import Answer, Engine, EngineStats, Opened, host_budget, memory_budget
+from llava.errors import EngineError, ShardFailed
+from llava.memory import IntegrityError
+from llava.model import load_model, shard_devices
+from llava.store import new_session_id
+
+__all__ = ["ShardStats", "ShardedEngine"]
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """One shard's snapshot, for metrics and readiness."""
+
+    shard: int
+    device: str
+    ready: bool  # its loop thread serves: new sessions may be placed on it
+    in_flight: int  # opens and turns running or waiting on it now
+    engine: EngineStats
+
+
+class ShardedEngine:
+    def __init__(self, engines: Sequence[Engine]):
+        if not engines:
+            raise ValueError("a sharded engine needs at least one engine")
+        self.shards = tuple(engines)
+        self.ttl_s = engines[0].config.session_ttl_s  # for llava.reaper.Reaper
+        self._lock = threading.Lock()
+        self._home: dict[str, int] = {}  # session id → shard, live or remembered by it
+        self._opening = [0] * len(engines)
+        self._in_flight = [0] * len(engines)
+        self._open_bytes = 0  # what the latest open came to hold: the cost of one in flight
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **options) -> ShardedEngine:
+        """Load one model copy per device of ``config.device`` and build the engines; any
+        shard that cannot load fails the whole start (the ones built are stopped). The host
+        tier is the instance's RAM: ``host_budget`` split evenly across the shards."""
+        devices = shard_devices(config.device)
+        engines: list[Engine] = []
+        try:
+            loaded = [
+                load_model(config.model_dir, str(d), config.dtype, config.attn_implementation)
+                for d in devices
+            ]
+            host = host_budget(config) // len(devices)
+            on_device = Counter(devices)  # measured before any shard takes its pool
+            budgets = [
+                memory_budget(config, d, host_bytes=host, sharing=on_device[d]) for d in devices
+            ]
+            for model, budget in zip(loaded, budgets, strict=True):
+                shard_config = dataclasses.replace(config, device=str(model.device))
+                engines.append(Engine(model, shard_config, budget, **options))
+        except BaseException:
+            for engine in engines:
+                engine.stop()
+            raise
+        return cls(engines)
+
+    def warm_up(self) -> float:
+        """Warm every shard (llava.engine.Engine.warm_up); the seconds it took in all."""
+        start = time.perf_counter()
+        for engine in self.shards:
+            engine.warm_up()
+        return time.perf_counter() - start
+
+    # -- the operations --------------------------------------------------------------------
+    def open(self, image=None, session_id: str | None = None) -> Opened:
+        """Open on the placed shard. The id (the caller's, or a new one) is bound to that
+        shard before any model work, so an id is unique across the shards."""
+        with self._lock:
+            if session_id is None:
+                session_id = new_session_id()
+            else:
+                self._check_id_free(session_id)
+            index = self._place()
+            self._home[session_id] = index
+            self._opening[index] += 1
+        engine = self.shards[index]
+        try:
+            with self._running(index):
+                opened = self._call(index, engine.open, image, session_id)
+            self._learn_open_bytes(engine, session_id)
+            return opened
+        except BaseException:
+            with self._lock:
+                if not engine.store.remembers(session_id):
+                    self._home.pop(session_id, None)
+            raise
+        finally:
+            with self._lock:
+                self._opening[index] -= 1
+
+    def ask(self, session_id: str, *args, **kwargs) -> Answer:
+        """``Engine.ask(session_id, question, parameters, on_token, cancelled=)`` on the
+        session's shard."""
+        index = self.shard_of(session_id)
+        with self._running(index):
+            return self._call(index, self.shards[index].ask, session_id, *args, **kwargs)
+
+    def close(self, session_id: str) -> str | None:
+        """``Engine.close`` on the session's shard (which remembers why an id is gone)."""
+        index = self.shard_of(session_id)
+        return self._call(index, self.shards[index].close, session_id)
+
+    def shard_of(self, session_id: str) -> int:
+        """The session's shard; an id no shard knows goes to shard 0, which says so."""
+        with self._lock:
+            return self._home.get(session_id, 0)
+
+    # -- upkeep and views ------------------------------------------------------------------
+    def reap(self) -> int:
+        """Expired sessions freed on every shard (llava.reaper.Reaper calls it); ids no shard
+        remembers any more leave the id map, so it stays bounded."""
+        reaped = sum(engine.store.reap() for engine in self.shards)
+        with self._lock:
+            for session_id, index in list(self._home.items()):
+                if not self.shards[index].store.remembers(session_id):
+                    del self._home[session_id]
+        return reaped
+
+    def stats(self) -> list[ShardStats]:
+        with self._lock:
+            in_flight = list(self._in_flight)
+        return [
+            ShardStats(i, str(e.loaded.device), e.loop.alive, in_flight[i], e.stats())
+            for i, e in enumerate(self.shards)
+        ]
+
+    def check_integrity(self) -> None:
+        """Every shard's books (llava.engine.Engine.check_integrity), and every session live
+        on a shard bound to that shard in the id map."""
+        for engine in self.shards:
+            engine.check_integrity()
+        with self._lock:
+            home = dict(self._home)
+        for index, engine in enumerate(self.shards):
+            bound_live = sum(1 for s, i in home.items() if i == index and s in engine.store)
+            if bound_live != len(engine.store):
+                raise IntegrityError(f"shard {index} holds sessions the id map does not bind")
+
+    def stop(self) -> None:
+        for engine in self.shards:
+            engine.stop()
+
+    # -- internals -------------------------------------------------------------------------
+    def _check_id_free(self, session_id: str) -> None:
+        """The id's shard refuses it if live or remembered (SessionIdInUse); a binding it has
+        forgotten is dropped. Caller holds the lock."""
+        index = self._home.get(session_id)
+        if index is not None:
+            self.shards[index].store.check_id_free(session_id)
+            del self._home[session_id]
+
+    def _place(self) -> int:
+        """The ready shard with the most free device memory, counting each open in flight as
+        the bytes an open came to hold (so simultaneous opens spread); ties: the fewest
+        requests in flight, then the lowest index. Caller holds the lock."""
+        ready = [i for i, e in enumerate(self.shards) if e.loop.alive]
+        if not ready:
+            raise ShardFailed("no engine shard of this worker is serving; it must be restarted")
+
+        def key(i: int) -> tuple[int, int, int]:
+            pool = self.shards[i].memory.pool
+            free = pool.free_blocks * pool.bytes_per_block - self._opening[i] * self._open_bytes
+            return (-free, self._in_flight[i], i)
+
+        return min(ready, key=key)
+
+    @contextmanager
+    def _running(self, index: int):
+        with self._lock:
+            self._in_flight[index] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[index] -= 1
+
+    def _learn_open_bytes(self, engine: Engine, session_id: str) -> None:
+        try:
+            held = engine.memory.held_bytes(engine.store.session(session_id).holding)
+        except EngineError:  # already gone (closed or evicted at once): nothing to learn
+            return
+        with self._lock:
+            self._open_bytes = held
+
+    def _call(self, index: int, method: Callable[..., Any], *args, **kwargs) -> Any:
+        """``method`` of shard ``index``; what is not an engine error becomes ShardFailed."""
+        engine = self.shards[index]
+        if not engine.loop.alive:
+            raise ShardFailed(
+                f"engine shard {index} ({engine.loaded.device}) has stopped; its sessions are "
+                "lost: open a new session"
+            )
+        try:
+            return method(*args, **kwargs)
+        except EngineError:
+            raise
+        except Exception as error:
+            raise ShardFailed(
+                f"engine shard {index} ({engine.loaded.device}) failed this request "
+                f"({type(error).__name__}); sessions on other shards are unaffected: retry, "
+                "or open a new session"
+            ) from error
