@@ -28,6 +28,10 @@ from llava.store import new_session_id
 
 __all__ = ["ShardStats", "ShardedEngine"]
 
+# A shard whose last this many requests all failed is not ready: new sessions go to the
+# others while any is ready (its own sessions stay on it; one success makes it ready again).
+FAILURES_UNTIL_UNREADY = 3
+
 
 @dataclass(frozen=True)
 class ShardStats:
@@ -35,7 +39,7 @@ class ShardStats:
 
     shard: int
     device: str
-    ready: bool  # its loop thread serves: new sessions may be placed on it
+    ready: bool  # serving, and not failing every request: new sessions may be placed on it
     in_flight: int  # opens and turns running or waiting on it now
     engine: EngineStats
 
@@ -50,6 +54,7 @@ class ShardedEngine:
         self._home: dict[str, int] = {}  # session id → shard, live or remembered by it
         self._opening = [0] * len(engines)
         self._in_flight = [0] * len(engines)
+        self._failures = [0] * len(engines)  # requests failed in a row, per shard
         self._open_bytes = 0  # what the latest open came to hold: the cost of one in flight
 
     @classmethod
@@ -143,8 +148,9 @@ class ShardedEngine:
     def stats(self) -> list[ShardStats]:
         with self._lock:
             in_flight = list(self._in_flight)
+            ready = [self._ready(i) for i in range(len(self.shards))]
         return [
-            ShardStats(i, str(e.loaded.device), e.loop.alive, in_flight[i], e.stats())
+            ShardStats(i, str(e.loaded.device), ready[i], in_flight[i], e.stats())
             for i, e in enumerate(self.shards)
         ]
 
@@ -173,11 +179,16 @@ class ShardedEngine:
             self.shards[index].store.check_id_free(session_id)
             del self._home[session_id]
 
+    def _ready(self, index: int) -> bool:
+        return self.shards[index].loop.alive and self._failures[index] < FAILURES_UNTIL_UNREADY
+
     def _place(self) -> int:
-        """The ready shard with the most free device memory, counting each open in flight as
-        the bytes an open came to hold (so simultaneous opens spread); ties: the fewest
-        requests in flight, then the lowest index. Caller holds the lock."""
-        ready = [i for i, e in enumerate(self.shards) if e.loop.alive]
+        """The ready shard (else any serving one: failing is not stopped) with the most free
+        device memory, counting each open in flight as the bytes an open came to hold (so
+        simultaneous opens spread); ties: the fewest requests in flight, then the lowest
+        index. Caller holds the lock."""
+        ready = [i for i in range(len(self.shards)) if self._ready(i)]
+        ready = ready or [i for i, e in enumerate(self.shards) if e.loop.alive]
         if not ready:
             raise ShardFailed("no engine shard of this worker is serving; it must be restarted")
 
@@ -207,7 +218,25 @@ class ShardedEngine:
             self._open_bytes = held
 
     def _call(self, index: int, method: Callable[..., Any], *args, **kwargs) -> Any:
-        """``method`` of shard ``index``; what is not an engine error becomes ShardFailed."""
+        """``method`` of shard ``index``; what is not an engine error becomes ShardFailed,
+        and counts against the shard's readiness."""
+        try:
+            result = self._shard_call(index, method, *args, **kwargs)
+        except ShardFailed:
+            with self._lock:
+                self._failures[index] += 1
+            raise
+        except EngineError:  # the request's own fault: the shard served it
+            self._count_success(index)
+            raise
+        self._count_success(index)
+        return result
+
+    def _count_success(self, index: int) -> None:
+        with self._lock:
+            self._failures[index] = 0
+
+    def _shard_call(self, index: int, method: Callable[..., Any], *args, **kwargs) -> Any:
         engine = self.shards[index]
         if not engine.loop.alive:
             raise ShardFailed(

@@ -164,11 +164,17 @@ def test_a_failing_shard_fails_only_its_own_turns(sharded, images, monkeypatch):
     # and fails alone too
     with pytest.raises(ShardFailed):
         sharded.open(images[2])
+    with pytest.raises(ShardFailed):
+        sharded.ask(failing, QUESTIONS[1])
+    assert [s.ready for s in sharded.stats()] == [True, False]  # three failures in a row
+    elsewhere = sharded.open(images[3]).session_id  # so new sessions go to shard 0
+    assert sharded.shard_of(elsewhere) == 0
     monkeypatch.undo()  # the fault clears: the failed session answers again, history kept
     again = sharded.ask(failing, QUESTIONS[0])
     assert again.tier is Tier.FEATURES and again.text
+    assert [s.ready for s in sharded.stats()] == [True, True]
     sharded.check_integrity()
-    close_all(sharded, ids)
+    close_all(sharded, [*ids, elsewhere])
     assert all(s.engine.sessions == 0 for s in sharded.stats())
 
 
