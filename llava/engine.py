@@ -94,6 +94,8 @@ class Engine:
         scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps)
         on_idle = self.check_integrity if config.check_memory_when_idle else None
         self.loop = EngineLoop(self.runner, scheduler, time.monotonic, on_idle).start()
+        if loaded.device.type == "cuda":  # streams, graphs and events without a device: ours
+            self.loop.call(lambda: torch.cuda.set_device(loaded.device))
         weakref.finalize(self, self.loop.stop)  # the loop thread ends with its engine
 
     @classmethod
