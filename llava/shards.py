@@ -132,7 +132,8 @@ class ShardedEngine:
     def shard_of(self, session_id: str) -> int:
         """The session's shard; an id no shard knows goes to shard 0, which says so."""
         with self._lock:
-            return self._home.get(session_id, 0)
+            index = self._bound(session_id)
+        return 0 if index is None else index
 
     # -- upkeep and views ------------------------------------------------------------------
     def reap(self) -> int:
@@ -155,26 +156,38 @@ class ShardedEngine:
         ]
 
     def check_integrity(self) -> None:
-        """Every shard's books (llava.engine.Engine.check_integrity), and every session live
-        on a shard bound to that shard in the id map."""
+        """Every shard's books (llava.engine.Engine.check_integrity), and no session bound
+        to one shard while it lives on another."""
         for engine in self.shards:
             engine.check_integrity()
         with self._lock:
             home = dict(self._home)
-        for index, engine in enumerate(self.shards):
-            bound_live = sum(1 for s, i in home.items() if i == index and s in engine.store)
-            if bound_live != len(engine.store):
-                raise IntegrityError(f"shard {index} holds sessions the id map does not bind")
+        for session_id, index in home.items():
+            for other, engine in enumerate(self.shards):
+                if other != index and session_id in engine.store:
+                    raise IntegrityError(f"a session bound to shard {index} lives on {other}")
 
     def stop(self) -> None:
         for engine in self.shards:
             engine.stop()
 
     # -- internals -------------------------------------------------------------------------
+    def _bound(self, session_id: str) -> int | None:
+        """The shard the id is bound to; an id a shard holds that the map never saw (a session
+        not opened through this facade: re-attached at start) is bound to it here. Caller
+        holds the lock."""
+        index = self._home.get(session_id)
+        if index is None:
+            shards = enumerate(self.shards)
+            index = next((i for i, e in shards if e.store.remembers(session_id)), None)
+            if index is not None:
+                self._home[session_id] = index
+        return index
+
     def _check_id_free(self, session_id: str) -> None:
         """The id's shard refuses it if live or remembered (SessionIdInUse); a binding it has
         forgotten is dropped. Caller holds the lock."""
-        index = self._home.get(session_id)
+        index = self._bound(session_id)
         if index is not None:
             self.shards[index].store.check_id_free(session_id)
             del self._home[session_id]

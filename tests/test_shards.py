@@ -214,6 +214,17 @@ def test_a_chosen_id_is_unique_across_the_shards(sharded, images):
         sharded.ask("never-opened", "Hi")
 
 
+def test_a_session_the_facade_did_not_open_is_found_on_its_shard(sharded, images):
+    """As a session re-attached by a shard at start would be: opened on shard 1 directly."""
+    direct = sharded.shards[1].open(images[0], "direct-29").session_id
+    assert sharded.shard_of(direct) == 1
+    assert sharded.ask(direct, QUESTIONS[0]).text
+    with pytest.raises(SessionIdInUse):
+        sharded.open(images[1], "direct-29")
+    sharded.check_integrity()
+    assert sharded.close(direct) is None
+
+
 def test_sessions_expire_on_their_own_shard(sharded, images, clock):
     ids = [sharded.open(image).session_id for image in images[:2]]
     assert {sharded.shard_of(i) for i in ids} == {0, 1}
