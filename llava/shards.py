@@ -21,7 +21,7 @@ from typing import Any
 
 from llava.config import EngineConfig
 from llava.engine import Answer, Engine, EngineStats, Opened, host_budget, memory_budget
-from llava.errors import EngineError, ShardFailed
+from llava.errors import EngineError, SessionIdInUse, ShardFailed
 from llava.memory import IntegrityError
 from llava.model import load_model, shard_devices
 from llava.store import new_session_id
@@ -52,6 +52,7 @@ class ShardedEngine:
         self.ttl_s = engines[0].config.session_ttl_s  # for llava.reaper.Reaper
         self._lock = threading.Lock()
         self._home: dict[str, int] = {}  # session id → shard, live or remembered by it
+        self._opening_ids: set[str] = set()  # bound, their opens in flight
         self._opening = [0] * len(engines)
         self._in_flight = [0] * len(engines)
         self._failures = [0] * len(engines)  # requests failed in a row, per shard
@@ -101,6 +102,7 @@ class ShardedEngine:
                 self._check_id_free(session_id)
             index = self._place()
             self._home[session_id] = index
+            self._opening_ids.add(session_id)
             self._opening[index] += 1
         engine = self.shards[index]
         try:
@@ -115,6 +117,7 @@ class ShardedEngine:
             raise
         finally:
             with self._lock:
+                self._opening_ids.discard(session_id)
                 self._opening[index] -= 1
 
     def ask(self, session_id: str, *args, **kwargs) -> Answer:
@@ -142,7 +145,8 @@ class ShardedEngine:
         reaped = sum(engine.store.reap() for engine in self.shards)
         with self._lock:
             for session_id, index in list(self._home.items()):
-                if not self.shards[index].store.remembers(session_id):
+                opening = session_id in self._opening_ids
+                if not opening and not self.shards[index].store.remembers(session_id):
                     del self._home[session_id]
         return reaped
 
@@ -185,8 +189,14 @@ class ShardedEngine:
         return index
 
     def _check_id_free(self, session_id: str) -> None:
-        """The id's shard refuses it if live or remembered (SessionIdInUse); a binding it has
-        forgotten is dropped. Caller holds the lock."""
+        """Refuse an id being opened, or one its shard holds live or remembers
+        (SessionIdInUse); a binding the shard has forgotten is dropped. Caller holds the
+        lock."""
+        if session_id in self._opening_ids:
+            raise SessionIdInUse(
+                f"session id {session_id} is being opened by another request; choose another "
+                "id, or leave out 'extSessionID' to get a server-chosen one"
+            )
         index = self._bound(session_id)
         if index is not None:
             self.shards[index].store.check_id_free(session_id)

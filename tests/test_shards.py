@@ -214,6 +214,28 @@ def test_a_chosen_id_is_unique_across_the_shards(sharded, images):
         sharded.ask("never-opened", "Hi")
 
 
+def test_one_chosen_id_opened_twice_at_once_opens_once(sharded, images):
+    """Two opens race for one id: whichever is second is refused, on either shard."""
+    results, start = [], threading.Barrier(2)
+
+    def client(image):
+        start.wait()
+        try:
+            results.append(sharded.open(image, "raced-29").session_id)
+        except SessionIdInUse as error:
+            results.append(error)
+
+    threads = [threading.Thread(target=client, args=(image,)) for image in images[:2]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(map(type, results), key=str) == sorted([str, SessionIdInUse], key=str)
+    assert sum("raced-29" in engine.store for engine in sharded.shards) == 1
+    sharded.check_integrity()
+    sharded.close("raced-29")
+
+
 def test_a_session_the_facade_did_not_open_is_found_on_its_shard(sharded, images):
     """As a session re-attached by a shard at start would be: opened on shard 1 directly."""
     direct = sharded.shards[1].open(images[0], "direct-29").session_id
