@@ -22,7 +22,7 @@ from typing import Any
 from llava.config import EngineConfig
 from llava.engine import Answer, Engine, EngineStats, Opened, host_budget, memory_budget
 from llava.errors import EngineError, SessionIdInUse, ShardFailed
-from llava.memory import IntegrityError
+from llava.memory import IntegrityError, session_feature_bytes, session_kv_bytes
 from llava.model import load_model, shard_devices
 from llava.store import new_session_id
 
@@ -44,6 +44,19 @@ class ShardStats:
     engine: EngineStats
 
 
+def image_open_bytes(engine: Engine) -> int:
+    """Device bytes an open with an image reserves (llava.requests.OpenRequest): its opening
+    prompt's KV and its features, in whole pool blocks (llava.memory's accounting)."""
+    config, pool = engine.loaded.model.config, engine.memory.pool
+    image_tokens = config.image_seq_length
+    tokens = len(engine.loaded.prompt.opening_ids(True, image_tokens))
+    per_token = pool.bytes_per_block // pool.block_tokens
+    hidden, element = config.text_config.hidden_size, pool.kv.element_size()
+    return session_kv_bytes(tokens, per_token, pool.block_tokens) + session_feature_bytes(
+        image_tokens, hidden, element, pool.bytes_per_block
+    )
+
+
 class ShardedEngine:
     def __init__(self, engines: Sequence[Engine]):
         if not engines:
@@ -56,7 +69,9 @@ class ShardedEngine:
         self._opening = [0] * len(engines)
         self._in_flight = [0] * len(engines)
         self._failures = [0] * len(engines)  # requests failed in a row, per shard
-        self._open_bytes = 0  # what the latest open came to hold: the cost of one in flight
+        # The cost of one open in flight: what the latest open came to hold (at first, what
+        # an open with an image reserves).
+        self._open_bytes = image_open_bytes(engines[0])
 
     @classmethod
     def from_config(cls, config: EngineConfig, **options) -> ShardedEngine:
@@ -207,17 +222,18 @@ class ShardedEngine:
 
     def _place(self) -> int:
         """The ready shard (else any serving one: failing is not stopped) with the most free
-        device memory, counting each open in flight as the bytes an open came to hold (so
-        simultaneous opens spread); ties: the fewest requests in flight, then the lowest
-        index. Caller holds the lock."""
+        device memory, counting each open in flight as the bytes an open came to hold,
+        whether or not it has taken its blocks yet (so simultaneous opens spread); ties: the
+        fewest requests in flight, then the lowest index. Caller holds the lock."""
         ready = [i for i in range(len(self.shards)) if self._ready(i)]
         ready = ready or [i for i, e in enumerate(self.shards) if e.loop.alive]
         if not ready:
             raise ShardFailed("no engine shard of this worker is serving; it must be restarted")
 
         def key(i: int) -> tuple[int, int, int]:
-            pool = self.shards[i].memory.pool
-            free = pool.free_blocks * pool.bytes_per_block - self._opening[i] * self._open_bytes
+            memory = self.shards[i].memory
+            free = memory.pool.free_blocks * memory.pool.bytes_per_block
+            free += memory.opening_bytes() - self._opening[i] * self._open_bytes
             return (-free, self._in_flight[i], i)
 
         return min(ready, key=key)
