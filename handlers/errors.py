@@ -17,6 +17,7 @@ STATUS_BY_ERROR: dict[type[errors.EngineError], int] = {
     errors.ImageTooLarge: 413,
     errors.NotAnImage: 415,
     errors.ImageFetchFailed: 424,
+    errors.ShardFailed: 500,  # the server failed the turn; the session's history is kept
     errors.NoCapacity: 503,  # and its subclass Busy (KV_MEMORY_FULL), which says when to retry
     errors.TurnInterrupted: 503,  # the worker died during the request: retry after the restart
 }

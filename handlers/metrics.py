@@ -1,9 +1,11 @@
 """Session metrics for TorchServe's metrics endpoint (auto-detected: config.properties).
 
-Gauges (sessions and bytes per tier: kv, host, features; the memory budgets) are set from the
-engine's snapshot after every request and after every reaper sweep
-that freed sessions; counters are emitted as the increase since the previous snapshot, so
-the endpoint's totals match the store's. A worker emits a metric by printing a line that
+Gauges (sessions and bytes per tier: kv, host, features; the memory budgets; each shard's
+readiness and requests in flight) are set from every engine shard's snapshot after every
+request and after every reaper sweep that freed sessions; counters are emitted as the increase
+since the previous snapshot, so the endpoint's totals match the stores'. What comes from a
+shard's snapshot carries a ``Shard`` dimension (its index); summed over it, the worker's
+totals (docs/design.md §Engine shards). A worker emits a metric by printing a line that
 TorchServe's frontend parses as it arrives, so the reaper's thread can publish too.
 
 Latencies are in seconds: TorchServe 0.12 builds every Prometheus histogram with the client
@@ -17,7 +19,8 @@ import threading
 
 from ts.metrics.metric_type_enum import MetricTypes
 
-from llava.engine import Answer, EngineStats
+from llava.engine import Answer
+from llava.shards import ShardStats
 
 # (registry or memory counters, counter) → metric name
 _COUNTERS = {
@@ -34,17 +37,20 @@ _COUNTERS = {
 class SessionMetrics:
     def __init__(self, metrics_cache):
         add = metrics_cache.add_metric_to_cache
-        self._open = add("SessionsOpen", "count", ["Tier"], MetricTypes.GAUGE)
-        self._bytes = add("SessionBytes", "bytes", ["Tier"], MetricTypes.GAUGE)
+        self._open = add("SessionsOpen", "count", ["Shard", "Tier"], MetricTypes.GAUGE)
+        self._bytes = add("SessionBytes", "bytes", ["Shard", "Tier"], MetricTypes.GAUGE)
+        self._ready = add("ShardReady", "count", ["Shard"], MetricTypes.GAUGE)
+        self._in_flight = add("ShardRequestsInFlight", "count", ["Shard"], MetricTypes.GAUGE)
         self._latency = add("TurnLatencySeconds", "s", ["Tier"], MetricTypes.HISTOGRAM)
         self._ttft = add("TurnTimeToFirstTokenSeconds", "s", ["Tier"], MetricTypes.HISTOGRAM)
         self._new = add("TurnNewTokens", "count", [], MetricTypes.COUNTER)
         self._cached = add("TurnCachedTokens", "count", [], MetricTypes.COUNTER)
-        self._budget = add("MemoryBudgetBytes", "bytes", ["Memory"], MetricTypes.GAUGE)
+        self._budget = add("MemoryBudgetBytes", "bytes", ["Shard", "Memory"], MetricTypes.GAUGE)
         self._counters = {
-            key: add(metric, "count", [], MetricTypes.COUNTER) for key, metric in _COUNTERS.items()
+            key: add(metric, "count", ["Shard"], MetricTypes.COUNTER)
+            for key, metric in _COUNTERS.items()
         }
-        self._last: dict[tuple[str, str], int] = {}
+        self._last: dict[tuple[int, str, str], int] = {}
         self._publishing = threading.Lock()  # requests and the reaper's thread both publish
 
     def turn(self, answer: Answer) -> None:
@@ -54,25 +60,30 @@ class SessionMetrics:
         self._new.add_or_update(answer.new_tokens)
         self._cached.add_or_update(answer.cached_tokens)
 
-    def store(self, stats: EngineStats) -> None:
+    def store(self, shards: list[ShardStats]) -> None:
         with self._publishing:
-            self._store(stats)
+            for shard in shards:
+                self._shard(shard)
 
-    def _store(self, stats: EngineStats) -> None:
+    def _shard(self, shard: ShardStats) -> None:
+        dim = str(shard.shard)
+        self._ready.add_or_update(int(shard.ready), [dim])
+        self._in_flight.add_or_update(shard.in_flight, [dim])
+        stats = shard.engine
         for tier, count in stats.sessions_by_tier.items():
-            self._open.add_or_update(count, [tier.value])
+            self._open.add_or_update(count, [dim, tier.value])
         for tier, nbytes in stats.bytes_by_tier.items():
-            self._bytes.add_or_update(nbytes, [tier.value])
+            self._bytes.add_or_update(nbytes, [dim, tier.value])
         budget = stats.budget
         for memory, nbytes in (
             ("device", budget.device_bytes),
             ("headroom", budget.headroom_bytes),
             ("host", budget.host_bytes),
         ):
-            self._budget.add_or_update(nbytes, [memory])
+            self._budget.add_or_update(nbytes, [dim, memory])
         for key, metric in self._counters.items():
             value = getattr(getattr(stats, key[0]), key[1])
-            increase = value - self._last.get(key, 0)
+            increase = value - self._last.get((shard.shard, *key), 0)
             if increase:
-                metric.add_or_update(increase)
-            self._last[key] = value
+                metric.add_or_update(increase, [dim])
+            self._last[(shard.shard, *key)] = value

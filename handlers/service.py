@@ -8,7 +8,6 @@ the wait on the engine, happen there, never on TorchServe's event loop
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -31,10 +30,10 @@ from handlers.protocol import (
 )
 from handlers.turns import TurnsInFlight
 from llava.config import SettingsError, load_config, setting_source
-from llava.engine import Answer, Engine
+from llava.engine import Answer
 from llava.intake import IntakePolicy, load_image
-from llava.model import assigned_device
 from llava.reaper import Reaper
+from llava.shards import ShardedEngine
 
 logger = logging.getLogger(__name__)
 JSON = "application/json"
@@ -42,33 +41,33 @@ JSON_LINES = "application/jsonlines"
 
 
 class LlavaService:
-    def __init__(self, engine: Engine, policy: IntakePolicy, metrics: SessionMetrics):
+    def __init__(self, engine: ShardedEngine, policy: IntakePolicy, metrics: SessionMetrics):
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
         self.turns = TurnsInFlight()
         # Expired sessions are freed, and the gauges follow, with no request arriving.
-        self.reaper = Reaper(engine.store, on_reap=lambda _count: self.publish()).start()
+        self.reaper = Reaper(engine, on_reap=lambda _count: self.publish()).start()
 
     @classmethod
     def from_context(cls, context) -> LlavaService:
         archived = (context.model_yaml_config or {}).get("handler", {})
         # Every setting is checked before anything loads: a bad one fails the start with one
         # line (SettingsError) that scripts/torchserve_ctl.py shows at once.
+        # One engine shard per device (docs/design.md §Engine shards): TorchServe's gpu_id
+        # is not used, this one worker drives every device its setting names.
         config = load_config(archived, os.environ, context.system_properties["model_dir"])
-        gpu_id = context.system_properties.get("gpu_id")
-        config = dataclasses.replace(config, device=assigned_device(config.device, gpu_id))
         policy = IntakePolicy.from_mapping(config.intake)
-        try:  # the memory settings are checked against this machine once the model is in
-            engine = Engine.from_config(config)
+        try:  # the devices and memory settings are checked against this machine
+            engine = ShardedEngine.from_config(config)
         except SettingsError as e:
             raise e.from_source(setting_source(e.setting, os.environ)) from None
         warm_s = engine.warm_up()
         logger.info(
             "loaded %s on %s (%s); warm-up %.2f s",
             config.model_dir,
-            engine.loaded.device,
-            engine.loaded.dtype,
+            ", ".join(str(shard.loaded.device) for shard in engine.shards),
+            engine.shards[0].loaded.dtype,
             warm_s,
         )
         return cls(engine, policy, SessionMetrics(context.metrics))
@@ -99,7 +98,7 @@ class LlavaService:
         return reply.finish(json.dumps(payload) + ("\n" if reply.streaming else ""))
 
     def publish(self) -> None:
-        """Gauges from the store's totals (after every request, and from the reaper)."""
+        """Gauges from every shard's totals (after every request, and from the reaper)."""
         _metrics_never_fail(lambda: self.metrics.store(self.engine.stats()))
 
     def _open(self, request: OpenSession, reply: _Reply) -> dict:

@@ -138,10 +138,10 @@ def session_bytes(checkpoint: Checkpoint, workload: Workload) -> SessionBytes:
 
 @dataclass(frozen=True)
 class Fit:
-    device_budget: int  # what the session store may hold on the worker's GPU
-    host_budget: int
-    device_kv: int  # sessions that fit, all hot (KV + features on the GPU)
-    host_kv: int  # all with KV in host RAM (features stay on the GPU)
+    device_budget: int  # what one shard's memory manager may hold on its GPU
+    host_budget: int  # the instance's host tier, split evenly across the shards
+    device_kv: int  # sessions that fit, all hot (KV + features on the GPUs)
+    host_kv: int  # all with KV in host RAM (features stay on the GPUs)
     features_only: int  # all demoted to features (next turn re-prefills)
 
 
@@ -151,17 +151,21 @@ def fit(
     gpu_bytes: int,
     host_bytes: int,
     config: EngineConfig,
+    shards: int = 1,
 ) -> Fit:
-    """Sessions per worker. The device budget is the engine's rule (llava.engine.device_split
-    of the memory free after loading), with "free" taken as GPU memory minus the weights."""
+    """Sessions per instance of ``shards`` engine shards, one per GPU of ``gpu_bytes``
+    (llava.shards). Each shard's device budget is the engine's rule (llava.engine.device_split
+    of the memory free after loading), with "free" taken as GPU memory minus the weights; each
+    gets ``host_bytes // shards`` of the host tier, as ShardedEngine.from_config splits it."""
     device = max(0, device_split(config, gpu_bytes - checkpoint.weight_bytes)[0])
     hot = per_session.kv + per_session.features
+    host_per_shard = host_bytes // shards
     return Fit(
         device_budget=device,
         host_budget=host_bytes,
-        device_kv=device // hot,
-        host_kv=min(host_bytes // per_session.kv, device // per_session.features),
-        features_only=device // per_session.features,
+        device_kv=shards * (device // hot),
+        host_kv=shards * min(host_per_shard // per_session.kv, device // per_session.features),
+        features_only=shards * (device // per_session.features),
     )
 
 
@@ -212,10 +216,10 @@ def report(
         f"  features only  : {_mib(per.features)} on the GPU (next turn re-prefills"
         f" {per.tokens} tokens)",
         "",
-        f"sessions per instance (one worker, one GPU: maxWorkers 1; device budget"
+        f"sessions per instance (one worker, one engine shard per GPU; device budget per GPU"
         f" {config.session_budget_fraction:g} x (GPU memory - weights); host tier budget"
-        f" {host_fraction:g} x host RAM)",
-        f"{'instance':<17} {'GPUs':>4} {'GPU mem':>10} {'host RAM':>11} {'budget':>10}"
+        f" {host_fraction:g} x host RAM, split across the shards)",
+        f"{'instance':<17} {'GPUs':>4} {'GPU mem':>10} {'host RAM':>11} {'budget/GPU':>10}"
         f" {'device KV':>9} {'host KV':>8} {'features':>9}",
     ]
     for name, instance in rows.items():
@@ -223,9 +227,9 @@ def report(
             lines.append(f"{name:<17} the weights do not fit in {_gib(instance.gpu_memory_bytes)}")
             continue
         host = int(instance.host_memory_bytes * host_fraction)
-        f = fit(checkpoint, per, instance.gpu_memory_bytes, host, config)
+        f = fit(checkpoint, per, instance.gpu_memory_bytes, host, config, instance.gpus)
         lines.append(
-            f"{name:<17} {f'1/{instance.gpus}':>4} {_gib(instance.gpu_memory_bytes):>10}"
+            f"{name:<17} {instance.gpus:>4} {_gib(instance.gpu_memory_bytes):>10}"
             f" {_gib(instance.host_memory_bytes):>11} {_gib(f.device_budget):>10}"
             f" {f.device_kv:>9,} {f.host_kv:>8,} {f.features_only:>9,}"
         )

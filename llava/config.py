@@ -48,7 +48,9 @@ class EngineConfig:
     """
 
     model_dir: str
-    device: str = "auto"  # "auto" → the GPU TorchServe assigned if CUDA works, else cpu
+    # One engine shard per listed device ("cuda:0,cuda:1"; "cpu,cpu" runs two on the CPU);
+    # "auto" → every visible GPU, else the CPU alone (docs/design.md §Engine shards).
+    device: str = "auto"
     dtype: str = "auto"  # "auto" → float16 on cuda (bfloat16 where supported), float32 on cpu
     attn_implementation: str = "sdpa"
     session_ttl_s: float = 20 * 60
@@ -112,14 +114,14 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
     return (lambda value: value in choices), f"one of {', '.join(choices)}"
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_DEVICE = re.compile(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*")
 
 # field → (check, what the value must be): one entry per EngineConfig field.
 CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model_dir": (lambda v: isinstance(v, str) and bool(v), "a directory path"),
     "device": (
         lambda v: isinstance(v, str) and bool(_DEVICE.fullmatch(v)),
-        "auto, cpu, cuda or cuda:<index>",
+        "auto, or a comma-separated list of cpu, cuda and cuda:<index> (one shard each)",
     ),
     "dtype": _one_of("auto", "float32", "float16", "bfloat16"),
     "attn_implementation": _one_of("sdpa", "eager", "flash_attention_2"),

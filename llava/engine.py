@@ -104,6 +104,8 @@ class Engine:
         scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps)
         on_idle = self.check_integrity if config.check_memory_when_idle else None
         self.loop = EngineLoop(self.runner, scheduler, time.monotonic, on_idle).start()
+        if loaded.device.type == "cuda":  # streams, graphs and events without a device: ours
+            self.loop.call(lambda: torch.cuda.set_device(loaded.device))
         weakref.finalize(self, self.loop.stop)  # the loop thread ends with its engine
 
     @classmethod
@@ -272,28 +274,40 @@ def device_split(config: EngineConfig, free: int) -> tuple[int, int]:
 DEFAULT_HOST_FRACTION = 0.25
 
 
-def memory_budget(config: EngineConfig, device: torch.device) -> MemoryBudget:
-    """The memory manager's budget from the settings and what this machine has; a setting
-    that cannot fit fails the start with one line (SettingsError)."""
+def host_budget(config: EngineConfig) -> int:
+    """The host tier's bytes for the whole worker (every shard together), from the settings
+    and the memory free on this host; more than it has fails the start (SettingsError)."""
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     host = config.host_budget_bytes
     if host is None:
-        host = int(available * DEFAULT_HOST_FRACTION)
-    elif host > available:
+        return int(available * DEFAULT_HOST_FRACTION)
+    if host > available:
         raise SettingsError(
             "host_budget_bytes",
             f"{host} is more than the {available} bytes of memory free on this host",
         )
+    return host
+
+
+def memory_budget(
+    config: EngineConfig, device: torch.device, *, host_bytes: int | None = None, sharing: int = 1
+) -> MemoryBudget:
+    """The memory manager's budget from the settings and what this machine has; a setting
+    that cannot fit fails the start with one line (SettingsError). ``host_bytes``: this
+    engine's share of the host tier (default: all of ``host_budget``); ``sharing``: engines
+    on ``device``, which split its free memory evenly (docs/design.md §Engine shards)."""
+    host = host_budget(config) if host_bytes is None else host_bytes
     if device.type != "cuda":
         device_bytes = config.session_budget_bytes or config.cpu_session_budget_bytes
         return MemoryBudget(device_bytes, host, config.device_headroom_bytes or 0)
-    free, _total = torch.cuda.mem_get_info(device)
+    free = torch.cuda.mem_get_info(device)[0] // sharing
     device_bytes, headroom = device_split(config, free)
     if device_bytes + headroom > free or device_bytes <= 0:
+        share = "" if sharing == 1 else f" (its 1/{sharing} share for the shards there)"
         raise SettingsError(
             "session_budget_bytes",
             f"{device_bytes} bytes for sessions plus "
             f"{headroom} bytes of headroom (device_headroom_bytes) do not fit the {free} "
-            f"bytes free on {device}",
+            f"bytes free on {device}{share}",
         )
     return MemoryBudget(device_bytes, host, headroom)

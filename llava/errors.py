@@ -60,6 +60,13 @@ class ImageFetchFailed(EngineError):
     code = "IMAGE_FETCH_FAILED"
 
 
+class ShardFailed(EngineError):
+    """The engine shard holding the session failed this request (its step raised, or it has
+    stopped); sessions on the worker's other shards are unaffected."""
+
+    code = "SHARD_FAILED"
+
+
 class NoCapacity(EngineError):
     """The server cannot hold this session now (memory budget); retry later or elsewhere."""
 

@@ -89,6 +89,11 @@ class EngineLoop:
         if wait and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs and was not told to stop: what is submitted will be answered."""
+        return self._thread.is_alive() and not self._stopped
+
     def submit(self, request: Request) -> Any:
         """Queue ``request`` and wait for its result (raises what it failed with)."""
         self._inbox.put(request)

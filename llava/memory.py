@@ -340,6 +340,12 @@ class MemoryManager:
                 self._count(demoted=1)
 
     # -- views -----------------------------------------------------------------------------
+    def opening_bytes(self) -> int:
+        """Device bytes held by openings not yet adopted as sessions (opens in flight)."""
+        with self._lock:
+            blocks = sum(h.device_blocks for h in self._holdings if h.label is None)
+            return blocks * self.pool.bytes_per_block
+
     def held_bytes(self, holding: Holding) -> int:
         """Everything ``holding`` holds now: device blocks and its host copy."""
         with self._lock:

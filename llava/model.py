@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+from llava.config import SettingsError
 from llava.imageprep import image_aspect_ratio
 from llava.prompt import ChatPrompt
 
@@ -38,15 +39,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def assigned_device(setting: str, gpu_id: int | str | None) -> str:
-    """The device a TorchServe worker loads on: with ``auto`` and working CUDA, the GPU that
-    TorchServe assigned to this worker (``gpu_id``), not whichever GPU is current. TorchServe's
-    round-robin starts at GPU 1 unless ``deviceIds`` pins it
-    (docs/design.md §TorchServe 0.12 facts).
-    """
-    if setting == "auto" and gpu_id is not None and torch.cuda.is_available():
-        return f"cuda:{int(gpu_id)}"
-    return setting
+def shard_devices(setting: str) -> list[torch.device]:
+    """One device per engine shard (docs/design.md §Engine shards): ``auto`` → every visible
+    GPU, else the CPU alone; otherwise the listed devices ("cuda:0,cuda:1", "cpu,cpu"), each
+    checked against this machine, so a bad one fails the start in one line (SettingsError)."""
+    if setting == "auto":
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]
+    return [_present(torch.device(name), setting) for name in setting.split(",")]
+
+
+def _present(device: torch.device, setting: str) -> torch.device:
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise SettingsError("device", f"{setting!r} names {device}, but CUDA is not available here")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise SettingsError("device", f"{setting!r} names {device}; {count} GPUs are visible")
+    return torch.device("cuda", index)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-
-from llava.store import SessionStore
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +23,21 @@ def reap_period_s(ttl_s: float) -> float:
     return max(MIN_PERIOD_S, TTL_FRACTION * ttl_s)
 
 
+class Reapable(Protocol):
+    """What the reaper sweeps: a SessionStore, or every shard's (llava.shards.ShardedEngine)."""
+
+    ttl_s: float
+
+    def reap(self) -> int: ...
+
+
 class Reaper:
     """A daemon thread calling ``store.reap()`` every ``period_s``; ``on_reap(count)`` runs
     after a sweep that removed sessions (the handler republishes its gauges there)."""
 
     def __init__(
         self,
-        store: SessionStore,
+        store: Reapable,
         on_reap: Callable[[int], None] | None = None,
         period_s: float | None = None,
     ):

@@ -213,6 +213,11 @@ class SessionStore:
                     "registry and the memory manager"
                 )
 
+    def remembers(self, session_id: str) -> bool:
+        """Live, or gone recently enough that its id still answers why (and is not reused)."""
+        with self._lock:
+            return session_id in self._sessions or session_id in self._gone
+
     def __contains__(self, session_id: str) -> bool:
         with self._lock:
             self._forget_evicted()

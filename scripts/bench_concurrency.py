@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ class Run:
     turn_s: list[float]
     cut_by_deadline: int
     cpu_s: float  # process CPU time (all threads): steadier than wall time on a shared machine
+    tokens_by_session: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,7 +61,7 @@ def sessions_at_once(engine: Engine, images, turns: int, new_tokens: int) -> Run
     """Every session opens, then all ask their turns together; the clock covers the turns."""
     params = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
     ids = [None] * len(images)
-    ttft, turn_s, tokens, errors = [], [], [], []
+    ttft, turn_s, tokens, errors, by_session = [], [], [], [], {}
     opened = threading.Barrier(len(images) + 1)
     done = threading.Barrier(len(images) + 1)
 
@@ -73,6 +74,7 @@ def sessions_at_once(engine: Engine, images, turns: int, new_tokens: int) -> Run
                 ttft.append(answer.ttft_s)
                 turn_s.append(answer.total_s)
                 tokens.append((len(answer.token_ids), answer.stop_reason))
+                by_session[ids[i]] = by_session.get(ids[i], 0) + len(answer.token_ids)
         except BaseException as error:  # reported below: a bench must not hang on a failure
             errors.append(error)
             opened.abort()
@@ -91,7 +93,7 @@ def sessions_at_once(engine: Engine, images, turns: int, new_tokens: int) -> Run
     for session_id in ids:
         engine.close(session_id)
     cut = sum(reason == "deadline" for _, reason in tokens)
-    return Run(sum(n for n, _ in tokens), wall, ttft, turn_s, cut, cpu)
+    return Run(sum(n for n, _ in tokens), wall, ttft, turn_s, cut, cpu, by_session)
 
 
 def steps_until_first_token(engine: Engine, images, long_tokens: int, after: int) -> int:

@@ -9,7 +9,9 @@ Without CUDA it says so in one line and exits 0. With CUDA:
    allocator accounting);
 2. the alternatives for one layer's decode attention in the 7B shape (scripts/bench_attention.py,
    bf16: flex paged, the old per-sequence loop, padded gather, varlen_attn over the block table);
-3. a table on a random-weight model built from tests/fixtures/llava-1.5-7b-hf's config (bf16,
+3. two engine shards on the one GPU ("cuda:0,cuda:0", the serving path: ShardedEngine.from_config
+   on the demo model): where N sessions were placed and each shard's tokens/s, both at once;
+4. a table on a random-weight model built from tests/fixtures/llava-1.5-7b-hf's config (bf16,
    the real tokenizer, processor and chat template): decode graph capture (buckets, seconds,
    bytes), turn-10 time to first token with the session's KV against re-prefilling the whole
    conversation (the session demoted to its features: no vision tower, every token again),
@@ -35,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 FIXTURE = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
+DEMO_MODEL = REPO / "models" / "demo-llava"
 QUESTIONS = ["What is in the picture?", "Describe it in more detail.", "And the colours?"]
 
 
@@ -43,6 +46,7 @@ def main() -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--sessions", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--shard-sessions", type=int, default=16)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(f"gpu-check: no CUDA device here (torch {torch.__version__}); nothing to check")
@@ -54,9 +58,48 @@ def main() -> int:
     attention = [sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--dtype",
                  "bfloat16", "--heads", "32", "--kv-heads", "32", "--head-dim", "128"]  # fmt: skip
     subprocess.run(attention, check=True)
+    index = torch.cuda.current_device()
+    shard_table(f"cuda:{index},cuda:{index}", args.shard_sessions, args.new_tokens)
     with torch.inference_mode():
         engine_table(args.sessions, args.new_tokens)
     return failed
+
+
+def shard_table(
+    devices: str, sessions: int, new_tokens: int, session_budget_bytes: int | None = None
+) -> None:
+    """Engine shards on ``devices`` as a worker builds them (llava.shards): each session's
+    placement, and each shard's tokens over the one wall clock of the run (they run at once).
+    Runs on any device list; tests smoke it with "cpu,cpu"."""
+    import gc
+
+    from llava.config import EngineConfig
+    from llava.shards import ShardedEngine
+    from llava.synthetic import held_out_samples
+    from scripts.bench_concurrency import sessions_at_once
+
+    config = EngineConfig(
+        model_dir=str(DEMO_MODEL), device=devices, session_budget_bytes=session_budget_bytes
+    )
+    sharded = ShardedEngine.from_config(config)
+    try:
+        sharded.warm_up()
+        images = [s.image for s in held_out_samples(sessions, seed=81_000)]
+        run = sessions_at_once(sharded, images, 2, new_tokens)
+    finally:
+        sharded.stop()
+    print(f"\nengine shards on {devices} (demo model): {sessions} sessions at once, 2 turns of "
+          f"{new_tokens} tokens; {run.tokens_per_s:.1f} tokens/s in all")  # fmt: skip
+    print(f"{'shard':>5} {'device':>8} {'sessions':>8} {'tokens':>7} {'tokens/s':>9}")
+    for index, engine in enumerate(sharded.shards):
+        mine = [s for s in run.tokens_by_session if sharded.shard_of(s) == index]
+        tokens = sum(run.tokens_by_session[s] for s in mine)
+        print(f"{index:>5} {str(engine.loaded.device):>8} {len(mine):>8} {tokens:>7} "
+              f"{tokens / run.wall_s:>9.1f}")  # fmt: skip
+    del sharded
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the shards' pools go back before the 7B table sizes its own
 
 
 def random_7b():

@@ -18,6 +18,7 @@ from handlers.metrics import SessionMetrics
 from handlers.service import LlavaService
 from llava.engine import Engine
 from llava.intake import IntakePolicy
+from llava.shards import ShardedEngine
 
 # The metrics file a TorchServe 0.12 worker is started with.
 TS_METRICS_YAML = os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml")
@@ -34,13 +35,16 @@ class Reply:
 
 
 class InProcessWorker:
-    """One worker's LlavaService; ``invoke`` is one request of a batch of one."""
+    """One worker's LlavaService; ``invoke`` is one request of a batch of one. An ``Engine``
+    is served as the worker's one shard."""
 
-    def __init__(self, engine: Engine, intake: dict | None = None):
+    def __init__(self, engine: Engine | ShardedEngine, intake: dict | None = None):
         metrics = MetricsCacheYamlImpl(config_file_path=TS_METRICS_YAML)
         metrics.initialize_cache()
         self.context = Context("llava", ".", {}, 1, None, ts.__version__, metrics=metrics)
         self.context.cl_socket = self.sent = _SentFrames()
+        if isinstance(engine, Engine):
+            engine = ShardedEngine([engine])
         self.service = LlavaService(
             engine, IntakePolicy.from_mapping(intake or {}), SessionMetrics(metrics)
         )

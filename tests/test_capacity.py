@@ -55,6 +55,23 @@ def test_llava_15_7b_from_its_config_alone():
     assert room.features_only > 50 * room.device_kv  # demotion is what lets many sessions stay
 
 
+def test_a_multi_gpu_instance_holds_one_shards_sessions_per_gpu():
+    """ml.g5.12xlarge: 4 x A10G 24 GiB, one engine shard each; the host tier (a quarter of
+    192 GiB) is split four ways, as ShardedEngine.from_config splits it."""
+    checkpoint = load_checkpoint(str(LLAVA_15), torch.float16)
+    per = session_bytes(checkpoint, Workload(turns=10, tokens_per_turn=60))
+    g5 = INSTANCES["ml.g5.12xlarge"]
+    host = g5.host_memory_bytes // 4
+    config = EngineConfig("-")
+    instance = fit(checkpoint, per, g5.gpu_memory_bytes, host, config, shards=g5.gpus)
+    one_gpu = fit(checkpoint, per, g5.gpu_memory_bytes, host // 4, config)
+    assert g5.gpus == 4 and instance.device_budget == one_gpu.device_budget
+    assert instance.device_kv == 4 * one_gpu.device_kv == 56  # 14 hot sessions per A10G
+    assert instance.features_only == 4 * one_gpu.features_only
+    # 12 GiB of host tier per shard holds 20 sessions' 592 MiB of KV
+    assert instance.host_kv == 4 * one_gpu.host_kv == 4 * ((48 * 2**30 // 4) // per.kv) == 80
+
+
 def test_the_cli_prints_the_table_for_one_instance():
     done = subprocess.run(
         [

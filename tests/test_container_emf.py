@@ -55,6 +55,18 @@ class Script:
         return [json.loads(line) for line in self.lines]
 
 
+def test_engine_shards_are_summed_into_the_instances_totals():
+    """A worker with two engine shards labels its books by Shard; EMF keeps Model and Tier."""
+    text = (
+        'SessionsOpen{Shard="0",Tier="kv",Hostname="vm",} 1.0\n'
+        'SessionsOpen{Shard="1",Tier="kv",Hostname="vm",} 2.0\n'
+        'SessionsOpened{Shard="0",Hostname="vm",} 4.0\n'
+        'SessionsOpened{Shard="1",Hostname="vm",} 3.0\n'
+    )
+    values = parse_prometheus(text)
+    assert values == {("SessionsOpen", "kv"): 3.0, ("SessionsOpened", ""): 7.0}
+
+
 def test_parse_keeps_our_metrics_per_tier_and_drops_torchserves_own():
     values = parse_prometheus(scrape(open=2, opened=5, turns=3, latency=1.5))
     assert values[("SessionsOpen", "kv")] == 2 and values[("SessionsOpen", "features")] == 0

@@ -10,7 +10,7 @@ import torch
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import Tier
-from llava.model import assigned_device
+from llava.shards import ShardedEngine
 from llava.synthetic import held_out_samples
 from tests.conftest import DEMO_MODEL_DIR
 from tests.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
@@ -41,14 +41,19 @@ def test_sessions_on_cuda_answer_and_reuse_their_cache(sample, dtype):
     assert engine.stats().total_bytes == 0
 
 
-def test_worker_loads_on_its_assigned_gpu_and_sizes_its_budget_there():
-    gpu_id = torch.cuda.device_count() - 1  # the last GPU: not merely the current one
-    device = torch.device(assigned_device("auto", gpu_id))
-    engine = Engine.from_config(EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=str(device)))
-    assert device == torch.device("cuda", gpu_id)
-    assert {p.device for p in engine.loaded.model.parameters()} == {device}
-    _free, total = torch.cuda.mem_get_info(device)
-    assert 0 < engine.memory.budget.device_bytes <= total * engine.config.session_budget_fraction
+def test_two_shards_on_one_gpu_load_there_and_split_its_memory():
+    """The last GPU (not merely the current one), named twice: two shards share it."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=f"{device},{device}")
+    sharded = ShardedEngine.from_config(config)
+    try:
+        _free, total = torch.cuda.mem_get_info(device)
+        for engine in sharded.shards:
+            assert {p.device for p in engine.loaded.model.parameters()} == {device}
+            budget = engine.memory.budget.device_bytes
+            assert 0 < budget <= total * config.session_budget_fraction / 2
+    finally:
+        sharded.stop()
 
 
 def test_a_turn_restored_from_pinned_host_memory_answers_as_never_moved(sample):

@@ -68,7 +68,7 @@ def test_an_id_in_use_is_refused_before_any_model_work(worker):
     assert first.status == 200 and first.json()["sessionId"] == "conversation-1a2b3c4d"
     assert first.headers[SESSION].startswith("conversation-1a2b3c4d; Expires=")
     vision_runs = []
-    tower = worker.service.engine.loaded.model.model.vision_tower
+    tower = worker.service.engine.shards[0].loaded.model.model.vision_tower
     hook = tower.register_forward_hook(lambda *_: vision_runs.append(1))
     try:
         again = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
@@ -119,7 +119,7 @@ def test_usage_tier_says_where_the_turn_found_the_sessions_memory(demo_model):
     block = 36_864  # the demo model's KV block: 16 tokens x 3 layers x K, V x 4 x 24 x fp32
     budget = MemoryBudget(device_bytes=22 * block, host_bytes=6 * block)
     worker = InProcessWorker(Engine(demo_model, EngineConfig(model_dir="-"), budget))
-    assert worker.service.engine.memory.pool.bytes_per_block == block
+    assert worker.service.engine.shards[0].memory.pool.bytes_per_block == block
     try:
         images = [held_out_samples(1, seed=77_000 + n)[0].image for n in range(4)]
         ids = []
@@ -138,7 +138,7 @@ def test_usage_tier_says_where_the_turn_found_the_sessions_memory(demo_model):
         assert ask(asking, 200).json()["usage"]["tier"] == "kv"
         assert ask(oldest).json()["usage"]["tier"] == "features"
         assert ask(newer).json()["usage"]["tier"] == "host"
-        memory = worker.service.engine.stats().memory
+        memory = worker.service.engine.shards[0].stats().memory
         assert (memory.moved_to_host, memory.demoted, memory.restored) == (2, 1, 1)
     finally:
         worker.stop()

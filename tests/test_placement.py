@@ -1,7 +1,9 @@
-"""Where a worker loads: the GPU TorchServe assigned it, weights placed straight there.
+"""Where a worker loads: one engine shard per device of its setting, weights placed straight
+there.
 
 CUDA itself is checked in tests/test_gpu.py (skipped without a GPU); here the CPU path and the
-choice of device, with ``torch.cuda.is_available`` answered both ways.
+choice of devices, with ``torch.cuda.is_available`` and ``device_count`` answered as a GPU
+host would (nothing is placed on those devices here).
 """
 
 from __future__ import annotations
@@ -10,24 +12,40 @@ import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
-from llava.model import assigned_device, load_model
+from llava.config import SettingsError
+from llava.model import load_model, shard_devices
 from tests.conftest import DEMO_MODEL_DIR
 
 
 @pytest.mark.parametrize(
-    ("setting", "gpu_id", "cuda", "device"),
+    ("setting", "gpus", "devices"),
     [
-        ("auto", 1, True, "cuda:1"),  # TorchServe's round-robin gave this worker GPU 1
-        ("auto", "0", True, "cuda:0"),
-        ("auto", None, True, "auto"),  # no assignment: llava.model picks the current GPU
-        ("auto", 1, False, "auto"),  # a CPU-only host: auto resolves to cpu
-        ("cpu", 1, True, "cpu"),  # an explicit setting wins over the assignment
-        ("cuda:3", 1, True, "cuda:3"),
+        ("auto", 4, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),  # one shard per visible GPU
+        ("auto", 0, ["cpu"]),  # a CPU-only host: the CPU alone
+        ("cpu,cpu", 0, ["cpu", "cpu"]),  # two shards on the CPU (the tests' two-shard path)
+        ("cuda:1,cuda:3", 4, ["cuda:1", "cuda:3"]),
+        ("cuda:0,cuda:0", 1, ["cuda:0", "cuda:0"]),  # two shards on one GPU (make gpu-check)
     ],
 )
-def test_worker_device_follows_torchserve_gpu_id(monkeypatch, setting, gpu_id, cuda, device):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert assigned_device(setting, gpu_id) == device
+def test_shard_devices_follow_the_setting(monkeypatch, setting, gpus, devices):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert shard_devices(setting) == [torch.device(d) for d in devices]
+
+
+@pytest.mark.parametrize(
+    ("setting", "gpus", "says"),
+    [
+        ("cuda:0", 0, "'cuda:0' names cuda:0, but CUDA is not available here"),
+        ("cuda:0,cuda:2", 2, "'cuda:0,cuda:2' names cuda:2; 2 GPUs are visible"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_one_line(monkeypatch, setting, gpus, says):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(SettingsError) as raised:
+        shard_devices(setting)
+    assert str(raised.value) == f"bad setting device: {says}"
 
 
 def test_weights_are_placed_by_device_map_not_moved_afterwards(monkeypatch):

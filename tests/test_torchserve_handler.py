@@ -256,6 +256,39 @@ def test_session_metrics_reach_the_metrics_endpoint(server, images):
         ), tier
 
 
+def test_one_worker_with_two_shards_serves_sessions_on_both(tmp_path, images):
+    """LLAVA_DEVICE=cpu,cpu: the worker builds two engine shards (the path of a two-GPU
+    instance); sessions are placed on both, each answers about its own image, and the
+    metrics say which shard holds what."""
+    instance = start_instance(
+        tmp_path, LLAVA_DEVICE="cpu,cpu", LLAVA_SESSION_BUDGET_BYTES=str(256 << 20)
+    )
+    try:
+        sessions = {name: open_session(instance, url) for name, (url, _) in images.items()}
+        for question, attribute in [("What shape is it?", "shape"), ("And its color?", "color")]:
+            for name, session_id in sessions.items():
+                reply = ask(instance, session_id, question)
+                assert reply.json()["generation"]["text"] == getattr(images[name][1], attribute)
+        text = requests.get(f"http://127.0.0.1:{instance.metrics_port}/metrics", timeout=10).text
+
+        def shard_value(name: str, shard: str, *labels: str) -> float:
+            wanted = (f'Shard="{shard}"', *labels)
+            lines = [
+                line
+                for line in text.splitlines()
+                if line.startswith(name + "{") and all(label in line for label in wanted)
+            ]
+            assert len(lines) == 1, (name, shard, lines)
+            return float(lines[0].rsplit(" ", 1)[1])
+
+        for shard in ("0", "1"):
+            assert shard_value("SessionsOpen", shard, 'Tier="kv"') == 1  # one session each
+            assert shard_value("ShardReady", shard) == 1
+            assert shard_value("MemoryBudgetBytes", shard, 'Memory="device"') == 256 << 20
+    finally:
+        instance.stop()
+
+
 def metric_total(instance, prefix: str, missing_ok: bool = False) -> float:
     """A metric summed over its label sets (tiers), from the Prometheus metrics text."""
     text = requests.get(f"http://127.0.0.1:{instance.metrics_port}/metrics", timeout=10).text

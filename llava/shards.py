@@ -1,0 +1,311 @@
+"""Engine shards: one worker drives every device, one ``Engine`` per device.
+
+``ShardedEngine`` has the engine's surface (``open``, ``ask``, ``close``, ``warm_up``,
+``check_integrity``, ``stop``) over N engines, each with its own model copy, loop thread, KV
+pool and memory manager. An open is placed on the shard with the most free device memory
+(ties: the fewest requests in flight); every later call of that session goes to its shard
+by id. A shard's failure fails only the requests it runs, as ``ShardFailed``
+(docs/design.md §Engine shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llava.config import EngineConfig
+from llava.engine import Answer, Engine, EngineStats, Opened, host_budget, memory_budget
+from llava.errors import EngineError, SessionIdInUse, ShardFailed
+from llava.memory import IntegrityError, session_feature_bytes, session_kv_bytes
+from llava.model import load_model, shard_devices
+from llava.persist import check_directory
+from llava.store import new_session_id
+
+__all__ = ["ShardStats", "ShardedEngine"]
+
+# A shard whose last this many requests all failed is not ready: new sessions go to the
+# others while any is ready (its own sessions stay on it; one success makes it ready again).
+FAILURES_UNTIL_UNREADY = 3
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """One shard's snapshot, for metrics and readiness."""
+
+    shard: int
+    device: str
+    ready: bool  # serving, and not failing every request: new sessions may be placed on it
+    in_flight: int  # opens and turns running or waiting on it now
+    engine: EngineStats
+
+
+def image_open_bytes(engine: Engine) -> int:
+    """Device bytes an open with an image reserves (llava.requests.OpenRequest): its opening
+    prompt's KV and its features, in whole pool blocks (llava.memory's accounting)."""
+    config, pool = engine.loaded.model.config, engine.memory.pool
+    image_tokens = config.image_seq_length
+    tokens = len(engine.loaded.prompt.opening_ids(True, image_tokens))
+    per_token = pool.bytes_per_block // pool.block_tokens
+    hidden, element = config.text_config.hidden_size, pool.kv.element_size()
+    return session_kv_bytes(tokens, per_token, pool.block_tokens) + session_feature_bytes(
+        image_tokens, hidden, element, pool.bytes_per_block
+    )
+
+
+def shard_persistence(config: EngineConfig, index: int, count: int) -> dict[str, Any]:
+    """Shard ``index``'s persistent tier: with one shard, ``persist_dir`` itself; with
+    several, its own ``shard-<index>`` under it (a restarted worker, same device list, finds
+    each session on the shard that held it) and an even share of the directory's cap."""
+    if config.persist_dir is None or count == 1:
+        return {}
+    cap = check_directory(config.persist_dir, config.persist_max_bytes)
+    return {
+        "persist_dir": str(Path(config.persist_dir) / f"shard-{index}"),
+        "persist_max_bytes": cap // count,
+    }
+
+
+class ShardedEngine:
+    def __init__(self, engines: Sequence[Engine]):
+        if not engines:
+            raise ValueError("a sharded engine needs at least one engine")
+        self.shards = tuple(engines)
+        self.ttl_s = engines[0].config.session_ttl_s  # for llava.reaper.Reaper
+        self._lock = threading.Lock()
+        self._home: dict[str, int] = {}  # session id → shard, live or remembered by it
+        self._opening_ids: set[str] = set()  # bound, their opens in flight
+        self._opening = [0] * len(engines)
+        self._in_flight = [0] * len(engines)
+        self._failures = [0] * len(engines)  # requests failed in a row, per shard
+        # The cost of one open in flight: what the latest open came to hold (at first, what
+        # an open with an image reserves).
+        self._open_bytes = image_open_bytes(engines[0])
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **options) -> ShardedEngine:
+        """Load one model copy per device of ``config.device`` and build the engines; any
+        shard that cannot load fails the whole start (the ones built are stopped). The host
+        tier is the instance's RAM: ``host_budget`` split evenly across the shards."""
+        devices = shard_devices(config.device)
+        engines: list[Engine] = []
+        try:
+            loaded = [
+                load_model(config.model_dir, str(d), config.dtype, config.attn_implementation)
+                for d in devices
+            ]
+            host = host_budget(config) // len(devices)
+            on_device = Counter(devices)  # measured before any shard takes its pool
+            budgets = [
+                memory_budget(config, d, host_bytes=host, sharing=on_device[d]) for d in devices
+            ]
+            for index, (model, budget) in enumerate(zip(loaded, budgets, strict=True)):
+                shard_config = dataclasses.replace(
+                    config, device=str(model.device), **shard_persistence(config, index, len(devices))
+                )
+                engines.append(Engine(model, shard_config, budget, **options))
+        except BaseException:
+            for engine in engines:
+                engine.stop()
+            raise
+        return cls(engines)
+
+    def warm_up(self) -> float:
+        """Warm every shard (llava.engine.Engine.warm_up); the seconds it took in all."""
+        start = time.perf_counter()
+        for engine in self.shards:
+            engine.warm_up()
+        return time.perf_counter() - start
+
+    # -- the operations --------------------------------------------------------------------
+    def open(self, image=None, session_id: str | None = None) -> Opened:
+        """Open on the placed shard. The id (the caller's, or a new one) is bound to that
+        shard before any model work, so an id is unique across the shards."""
+        with self._lock:
+            if session_id is None:
+                session_id = new_session_id()
+            else:
+                self._check_id_free(session_id)
+            index = self._place()
+            self._home[session_id] = index
+            self._opening_ids.add(session_id)
+            self._opening[index] += 1
+        engine = self.shards[index]
+        try:
+            with self._running(index):
+                opened = self._call(index, engine.open, image, session_id)
+            self._learn_open_bytes(engine, session_id)
+            return opened
+        except BaseException:
+            with self._lock:
+                if not engine.store.remembers(session_id):
+                    self._home.pop(session_id, None)
+            raise
+        finally:
+            with self._lock:
+                self._opening_ids.discard(session_id)
+                self._opening[index] -= 1
+
+    def ask(self, session_id: str, *args, **kwargs) -> Answer:
+        """``Engine.ask(session_id, question, parameters, on_token, cancelled=)`` on the
+        session's shard."""
+        index = self.shard_of(session_id)
+        with self._running(index):
+            return self._call(index, self.shards[index].ask, session_id, *args, **kwargs)
+
+    def close(self, session_id: str) -> str | None:
+        """``Engine.close`` on the session's shard (which remembers why an id is gone)."""
+        index = self.shard_of(session_id)
+        return self._call(index, self.shards[index].close, session_id)
+
+    def shard_of(self, session_id: str) -> int:
+        """The session's shard; an id no shard knows goes to shard 0, which says so."""
+        with self._lock:
+            index = self._bound(session_id)
+        return 0 if index is None else index
+
+    # -- upkeep and views ------------------------------------------------------------------
+    def reap(self) -> int:
+        """Expired sessions freed on every shard (llava.reaper.Reaper calls it); ids no shard
+        remembers any more leave the id map, so it stays bounded."""
+        reaped = sum(engine.store.reap() for engine in self.shards)
+        with self._lock:
+            for session_id, index in list(self._home.items()):
+                opening = session_id in self._opening_ids
+                if not opening and not self.shards[index].store.remembers(session_id):
+                    del self._home[session_id]
+        return reaped
+
+    def stats(self) -> list[ShardStats]:
+        with self._lock:
+            in_flight = list(self._in_flight)
+            ready = [self._ready(i) for i in range(len(self.shards))]
+        return [
+            ShardStats(i, str(e.loaded.device), ready[i], in_flight[i], e.stats())
+            for i, e in enumerate(self.shards)
+        ]
+
+    def check_integrity(self) -> None:
+        """Every shard's books (llava.engine.Engine.check_integrity), and no session bound
+        to one shard while it lives on another."""
+        for engine in self.shards:
+            engine.check_integrity()
+        with self._lock:
+            home = dict(self._home)
+        for session_id, index in home.items():
+            for other, engine in enumerate(self.shards):
+                if other != index and session_id in engine.store:
+                    raise IntegrityError(f"a session bound to shard {index} lives on {other}")
+
+    def stop(self) -> None:
+        for engine in self.shards:
+            engine.stop()
+
+    # -- internals -------------------------------------------------------------------------
+    def _bound(self, session_id: str) -> int | None:
+        """The shard the id is bound to; an id a shard holds that the map never saw (a session
+        not opened through this facade: re-attached at start) is bound to it here. Caller
+        holds the lock."""
+        index = self._home.get(session_id)
+        if index is None:
+            shards = enumerate(self.shards)
+            index = next((i for i, e in shards if e.store.remembers(session_id)), None)
+            if index is not None:
+                self._home[session_id] = index
+        return index
+
+    def _check_id_free(self, session_id: str) -> None:
+        """Refuse an id being opened, or one its shard holds live or remembers
+        (SessionIdInUse); a binding the shard has forgotten is dropped. Caller holds the
+        lock."""
+        if session_id in self._opening_ids:
+            raise SessionIdInUse(
+                f"session id {session_id} is being opened by another request; choose another "
+                "id, or leave out 'extSessionID' to get a server-chosen one"
+            )
+        index = self._bound(session_id)
+        if index is not None:
+            self.shards[index].store.check_id_free(session_id)
+            del self._home[session_id]
+
+    def _ready(self, index: int) -> bool:
+        return self.shards[index].loop.alive and self._failures[index] < FAILURES_UNTIL_UNREADY
+
+    def _place(self) -> int:
+        """The ready shard (else any serving one: failing is not stopped) with the most free
+        device memory, counting each open in flight as the bytes an open came to hold,
+        whether or not it has taken its blocks yet (so simultaneous opens spread); ties: the
+        fewest requests in flight, then the lowest index. Caller holds the lock."""
+        ready = [i for i in range(len(self.shards)) if self._ready(i)]
+        ready = ready or [i for i, e in enumerate(self.shards) if e.loop.alive]
+        if not ready:
+            raise ShardFailed("no engine shard of this worker is serving; it must be restarted")
+
+        def key(i: int) -> tuple[int, int, int]:
+            memory = self.shards[i].memory
+            free = memory.pool.free_blocks * memory.pool.bytes_per_block
+            free += memory.opening_bytes() - self._opening[i] * self._open_bytes
+            return (-free, self._in_flight[i], i)
+
+        return min(ready, key=key)
+
+    @contextmanager
+    def _running(self, index: int):
+        with self._lock:
+            self._in_flight[index] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[index] -= 1
+
+    def _learn_open_bytes(self, engine: Engine, session_id: str) -> None:
+        try:
+            held = engine.memory.held_bytes(engine.store.session(session_id).holding)
+        except EngineError:  # already gone (closed or evicted at once): nothing to learn
+            return
+        with self._lock:
+            self._open_bytes = held
+
+    def _call(self, index: int, method: Callable[..., Any], *args, **kwargs) -> Any:
+        """``method`` of shard ``index``; what is not an engine error becomes ShardFailed,
+        and counts against the shard's readiness."""
+        try:
+            result = self._shard_call(index, method, *args, **kwargs)
+        except ShardFailed:
+            with self._lock:
+                self._failures[index] += 1
+            raise
+        except EngineError:  # the request's own fault: the shard served it
+            self._count_success(index)
+            raise
+        self._count_success(index)
+        return result
+
+    def _count_success(self, index: int) -> None:
+        with self._lock:
+            self._failures[index] = 0
+
+    def _shard_call(self, index: int, method: Callable[..., Any], *args, **kwargs) -> Any:
+        engine = self.shards[index]
+        if not engine.loop.alive:
+            raise ShardFailed(
+                f"engine shard {index} ({engine.loaded.device}) has stopped; its sessions are "
+                "lost: open a new session"
+            )
+        try:
+            return method(*args, **kwargs)
+        except EngineError:
+            raise
+        except Exception as error:
+            raise ShardFailed(
+                f"engine shard {index} ({engine.loaded.device}) failed this request "
+                f"({type(error).__name__}); sessions on other shards are unaffected: retry, "
+                "or open a new session"
+            ) from error
