@@ -107,7 +107,9 @@ class ShardedEngine:
             ]
             for index, (model, budget) in enumerate(zip(loaded, budgets, strict=True)):
                 shard_config = dataclasses.replace(
-                    config, device=str(model.device), **shard_persistence(config, index, len(devices))
+                    config,
+                    device=str(model.device),
+                    **shard_persistence(config, index, len(devices)),
                 )
                 engines.append(Engine(model, shard_config, budget, **options))
         except BaseException:

@@ -329,3 +329,41 @@ def test_gpu_checks_shard_table_runs_on_two_cpu_shards(capsys):
     shard_table("cpu,cpu", sessions=4, new_tokens=3, session_budget_bytes=300 * BLOCK)
     rows = capsys.readouterr().out.splitlines()[-2:]
     assert [row.split()[:4] for row in rows] == [["0", "cpu", "2", "12"], ["1", "cpu", "2", "12"]]
+
+
+def test_a_restarted_two_shard_worker_continues_each_session_on_its_shard(images, tmp_path):
+    """The persistent tier with shards: shard k keeps its entries in <persist_dir>/shard-k
+    with half the cap, so a new worker with the same devices re-attaches every session to the
+    shard that held it, and its next answer equals an uninterrupted session's."""
+    config = EngineConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        device="cpu,cpu",
+        session_budget_bytes=300 * BLOCK,
+        persist_dir=str(tmp_path),
+        persist_max_bytes=1 << 24,
+    )
+    first = ShardedEngine.from_config(config)
+    ids = [first.open(image).session_id for image in images[:2]]
+    for session_id in ids:
+        for question in QUESTIONS[:2]:
+            first.ask(session_id, question)
+    homes = {i: first.shard_of(i) for i in ids}
+    expected = {}
+    for image, session_id in zip(images[:2], ids, strict=True):  # uninterrupted, closed again
+        control = first.open(image).session_id
+        expected[session_id] = [first.ask(control, q).text for q in QUESTIONS][-1]
+        first.close(control)
+    assert sorted(homes.values()) == [0, 1]
+    assert [e.journal.max_bytes for e in first.shards] == [1 << 23] * 2
+    first.stop()  # the worker "dies": only the directory is used below
+
+    for session_id, home in homes.items():
+        assert (tmp_path / f"shard-{home}" / f"{session_id}.state").exists()
+    second = ShardedEngine.from_config(config)
+    try:
+        assert [e.adopted for e in second.shards] == [1, 1]
+        for session_id, home in homes.items():
+            assert second.ask(session_id, QUESTIONS[2]).text == expected[session_id]
+            assert second.shard_of(session_id) == home
+    finally:
+        second.stop()
