@@ -77,8 +77,7 @@ class Busy(NoCapacity):
         self.retry_after_s = retry_after_s
 
 
-# The most of any input an error message repeats (docs/design.md §Errors repeat a bounded
-# piece of their input).
+# The most of any input an error message repeats (docs/design.md §Echo cap).
 ECHO_CHARS = 80
 
 
