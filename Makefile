@@ -1,5 +1,5 @@
 # The public interface: test, test-container, demo, serve, stop, mar, bench, notebook,
-# endpoint, image, capacity (names and meaning stay stable).
+# endpoint, soak, image, capacity (names and meaning stay stable).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,7 +18,7 @@ ENDPOINT_PORT ?= 8090
 ENDPOINT_DIR ?= .run/endpoint
 
 .PHONY: setup test test-container lint demo bench gpu-check build-demo-model mar demo-mar serve \
-	stop endpoint notebook image capacity clean
+	stop endpoint soak notebook image capacity clean
 
 # CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
 # fresh checkout (or after `rm -rf .venv`) installs that build of torch 2.13.0 instead.
@@ -116,6 +116,14 @@ stop: setup
 endpoint: mar
 	$(PY) scripts/endpoint_ctl.py start --instances $(ENDPOINT_INSTANCES) \
 		--port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
+
+# Load, faults and bad input together for SOAK_SECONDS with SOAK_SESSIONS conversations, against
+# `make endpoint`'s setup started on free ports (2 instances) through boto3 (scripts/soak.py):
+# one table, non-zero if a rule breaks. The defaults suit a 2-core machine.
+SOAK_SECONDS ?= 90
+SOAK_SESSIONS ?= 8
+soak: demo-mar
+	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_SESSIONS=$(SOAK_SESSIONS) $(PY) scripts/soak.py
 
 # Executes the deploy-and-infer notebook in local mode into build/notebooks/ (it runs
 # `make endpoint` and `make stop` itself, on ENDPOINT_PORT).

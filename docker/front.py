@@ -38,6 +38,7 @@ from handlers.interrupted import (
     interrupted_reply,
     not_ready_reply,
 )
+from llava.errors import clip
 
 # Per-connection headers (RFC 9110 §7.6.1): they describe one hop, so they are not forwarded.
 # Content-Length is set again for the body actually sent; Expect: 100-continue was answered here.
@@ -80,6 +81,11 @@ class Front(ThreadingHTTPServer):
 class _FrontHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: Front
+
+    def send_error(self, code, message=None, explain=None) -> None:
+        """The standard library's refusals (a bad request line, an unknown method) quote the
+        input: bounded as every other message (llava.errors.clip)."""
+        super().send_error(code, message and clip(message), explain)
 
     def do_GET(self) -> None:
         if self.path.split("?")[0] == "/ping":

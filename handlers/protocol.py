@@ -10,13 +10,13 @@ new session), ``sampling_params`` for ``parameters``.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from llava.errors import InvalidRequest
+from llava import session_ids
+from llava.errors import InvalidRequest, echo
 from llava.intake import parse_image_source
 
 SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
@@ -24,8 +24,6 @@ NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 NEW_SESSION = "NEW_SESSION"
 CANCEL_TURN = "CANCEL_TURN"
-_SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
-_MAX_SESSION_ID = 256
 
 
 @dataclass(frozen=True)
@@ -93,7 +91,7 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
         return _open(payload, from_header, from_body)
     if kind not in ("SESSION", "CLOSE_SESSION", CANCEL_TURN):
         raise InvalidRequest(
-            f"unknown requestType {kind!r}; use NEW_SESSION, SESSION, CLOSE_SESSION or "
+            f"unknown requestType {echo(kind)}; use NEW_SESSION, SESSION, CLOSE_SESSION or "
             f"{CANCEL_TURN}",
             code="UNKNOWN_REQUEST_TYPE",
         )
@@ -159,23 +157,9 @@ def _checked_id(value: Any, where: str) -> str | None:
     value = value.strip()
     if value in ("", NEW_SESSION):
         return None
-    bare, _, suffix = (part.strip() for part in value.partition(";"))
-    if suffix.lower().startswith("expires=") and _valid_id(bare):
-        raise InvalidRequest(
-            f"{where} carries the '; Expires=...' suffix of the open reply's header: drop "
-            f"the suffix and send the id alone ({bare!r})",
-            code="INVALID_SESSION_ID",
-        )
-    if not _valid_id(value):
-        raise InvalidRequest(
-            f"{where}: a session id is 1-256 letters, digits and single or repeated inner hyphens",
-            code="INVALID_SESSION_ID",
-        )
+    if (why := session_ids.refusal(value, where)) is not None:
+        raise InvalidRequest(why, code="INVALID_SESSION_ID")
     return value
-
-
-def _valid_id(value: str) -> bool:
-    return len(value) <= _MAX_SESSION_ID and _SESSION_ID.match(value) is not None
 
 
 def session_header_value(session_id: str, expires_at: datetime) -> str:

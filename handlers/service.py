@@ -102,7 +102,9 @@ class LlavaService:
         _metrics_never_fail(lambda: self.metrics.store(self.engine.stats()))
 
     def _open(self, request: OpenSession, reply: _Reply) -> dict:
-        image = None if request.image is None else load_image(request.image, self.policy)
+        image = None
+        if request.image is not None:
+            image = load_image(request.image, self.policy, fit=self.engine.image_side)
         opened = self.engine.open(image, request.session_id)
         value = session_header_value(opened.session_id, opened.expires_at)
         reply.header(SESSION_HEADER, value)

@@ -115,6 +115,15 @@ class Engine:
         )
         return cls(loaded, config, memory_budget(config, loaded.device), **options)
 
+    @property
+    def image_side(self) -> int:
+        """The largest side the processor resizes an image to: intake decodes an image no
+        larger than about twice this (llava.intake.decode_image's ``fit``)."""
+        image_processor = self.loaded.processor.image_processor
+        sizes = (image_processor.size, image_processor.crop_size)  # dicts or SizeDicts
+        sides = ("shortest_edge", "longest_edge", "height", "width")
+        return max(size.get(side) or 0 for size in sizes if size for side in sides)
+
     def warm_up(self) -> float:
         """Run the vision tower, a prefill and a decode step once, outside any session, so the
         first caller does not pay for lazy initialization. Returns the seconds it took."""

@@ -95,3 +95,18 @@ class TurnInterrupted(EngineError):
     def __init__(self, message: str, *, retry_after_s: float):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+# The most of any input an error message repeats (docs/design.md §Echo cap).
+ECHO_CHARS = 80
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters with its length said:
+    a 10,000-character id must not come back whole in the error that refuses it."""
+    return clip(repr(value), limit)
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` (a message that may hold an input) cut to ``limit`` characters, length said."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"

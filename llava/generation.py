@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from llava.errors import InvalidRequest
+from llava.errors import InvalidRequest, clip, echo
 
 # Names accepted from the wire, with the aliases that OpenAI/TGI-style clients and the seeds'
 # client (``max_new_token``) send.
@@ -47,7 +47,7 @@ class GenerationParams:
         unknown = sorted(set(values) - _KNOWN)
         if unknown:
             raise InvalidRequest(
-                f"unknown generation parameters: {', '.join(unknown)}; known: "
+                f"unknown generation parameters: {clip(', '.join(unknown))}; known: "
                 f"{', '.join(sorted(_KNOWN))} (aliases: {', '.join(sorted(_ALIASES))})"
             )
         max_new = _int(values, "max_new_tokens", default_max_new_tokens, 1, max_new_tokens_limit)
@@ -77,7 +77,7 @@ def _int(values: dict, name: str, default, low: int, high: int):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"'{name}' must be an integer, got {value!r}")
+        raise InvalidRequest(f"'{name}' must be an integer, got {echo(value)}")
     if not low <= value <= high:
         raise InvalidRequest(f"'{name}' must be between {low} and {high}, got {value}")
     return value
@@ -86,7 +86,7 @@ def _int(values: dict, name: str, default, low: int, high: int):
 def _float(values: dict, name: str, default: float, low: float, high: float) -> float:
     value = values.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRequest(f"'{name}' must be a finite number, got {value!r}")
+        raise InvalidRequest(f"'{name}' must be a finite number, got {echo(value)}")
     if not low <= value <= high:
         raise InvalidRequest(f"'{name}' must be between {low} and {high}, got {value}")
     return float(value)
@@ -95,5 +95,5 @@ def _float(values: dict, name: str, default: float, low: float, high: float) -> 
 def _bool(values: dict, name: str, default: bool) -> bool:
     value = values.get(name, default)
     if not isinstance(value, bool):
-        raise InvalidRequest(f"'{name}' must be true or false, got {value!r}")
+        raise InvalidRequest(f"'{name}' must be true or false, got {echo(value)}")
     return value

@@ -12,9 +12,10 @@ import json
 
 from botocore.exceptions import ClientError
 
-# The container's codes for a session that no longer exists (closed, expired, evicted, lost).
+# The codes for a session that no longer exists (closed, expired, evicted): the container's,
+# and the local endpoint's on its ValidationError (SESSION_LOST: with its instance).
 SESSION_GONE_CODES = frozenset(
-    {"SESSION_NOT_FOUND", "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED"}
+    {"SESSION_NOT_FOUND", "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED", "SESSION_LOST"}
 )
 
 
@@ -49,11 +50,13 @@ def from_client_error(err: ClientError, with_session: bool) -> LlavaError:
         cls = SessionGone if code in SESSION_GONE_CODES else LlavaError
         retry_after = _seconds(error.get("retryAfterS")) if status == 503 else None
         return cls(code, message, status, retry_after)
-    # SageMaker's router refuses an id it does not know before any container sees it.
-    if aws_code == "ValidationError" and with_session and "session" in message.lower():
-        return SessionGone(aws_code, message)
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    # SageMaker's router refuses an id it does not know before any container sees it (the
+    # local endpoint adds an ErrorCode that says whether it was lost with its instance).
     headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    if aws_code == "ValidationError" and with_session and "session" in message.lower():
+        code = headers.get("x-local-endpoint-error-code")
+        return SessionGone(code if code in SESSION_GONE_CODES else aws_code, message)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     retry_after = _seconds(headers.get("retry-after")) if status == 503 else None
     return LlavaError(aws_code, message, status if status == 503 else None, retry_after)
 

@@ -25,7 +25,7 @@ from scripts.supervisor import Supervisor
 from scripts.torchserve_ctl import TorchServeInstance
 
 
-def backend(spec: str) -> Backend:
+def backend_spec(spec: str) -> Backend:
     name, sep, url = spec.partition("=")
     if not sep or not url.startswith("http://"):
         raise argparse.ArgumentTypeError(f"--backend wants NAME=http://HOST:PORT, not {spec!r}")
@@ -43,19 +43,20 @@ def instance(spec: str) -> tuple[str, TorchServeInstance]:
         ) from None
 
 
-def supervised(name: str, ts: TorchServeInstance, stop: threading.Event) -> Backend:
-    ts.env.update(instance_env(name, dict(os.environ)))  # what its restarts get, as at start
+def supervised(name: str, ts: TorchServeInstance) -> tuple[Backend, Supervisor]:
+    persistent = instance_env(name, dict(os.environ))  # its own directory, or {}: tier off
+    ts.env.update(persistent)  # what its restarts get, as at start
     supervisor = Supervisor(ts, log=lambda line: print(f"{name}: {line}", flush=True))
     supervisor.adopt()
-    supervisor.watch_in_thread(stop)
-    return Backend(
-        name, ts.inference_url, ready=supervisor.ready, supervised=lambda: not supervisor.gave_up
-    )
+    # With the persistent tier, a restart keeps the sessions until the supervisor gives up;
+    # without it, a worker's death loses them (the router's SESSION_LOST).
+    keeps = (lambda: not supervisor.gave_up) if persistent else None
+    return Backend(name, ts.inference_url, ready=supervisor.ready, supervised=keeps), supervisor
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", type=backend, action="append", default=[])
+    parser.add_argument("--backend", type=backend_spec, action="append", default=[])
     parser.add_argument("--instance", type=instance, action="append", default=[])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8090)
@@ -64,11 +65,17 @@ def main(argv: list[str] | None = None) -> int:
         "--part-bytes", type=int, default=0, help="split streamed chunks into parts this small"
     )
     args = parser.parse_args(argv)
-    stop = threading.Event()
-    backends = args.backend + [supervised(name, ts, stop) for name, ts in args.instance]
+    watched = [supervised(name, ts) for name, ts in args.instance]
+    backends = args.backend + [backend for backend, _ in watched]
     if not backends:
         parser.error("give at least one --backend or --instance")
-    server = EndpointServer((args.host, args.port), args.name, Router(backends), args.part_bytes)
+    router = Router(backends)
+    stop = threading.Event()
+    for backend, supervisor in watched:  # a dead worker's sessions are lost at once, unless
+        if not backend.coming_back():  # the persistent tier brings them back
+            supervisor.on_death = lambda backend=backend: router.mark_dead(backend)
+        supervisor.watch_in_thread(stop)
+    server = EndpointServer((args.host, args.port), args.name, router, args.part_bytes)
     names = ", ".join(f"{b.name}={b.url}" for b in backends)
     print(f"endpoint {args.name} on http://{args.host}:{args.port} over {names}", flush=True)
     try:

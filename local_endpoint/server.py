@@ -6,8 +6,12 @@ session header ``X-Amzn-SageMaker-Session-Id``:
 * ``NEW_SESSION``: goes to the least-loaded instance; the container's session header comes
   back as ``X-Amzn-SageMaker-New-Session-Id`` and binds the id to that instance.
 * an id: goes to its instance; an id the endpoint does not know is a 400 ``ValidationError``
-  (SageMaker's router answers it; the container never sees it). A reply carrying
-  ``X-Amzn-SageMaker-Closed-Session-Id`` unbinds the id.
+  (SageMaker's router answers it; the container never sees it) with the code
+  ``SESSION_NOT_FOUND``, or ``SESSION_LOST`` for one lost with its instance (how many went with
+  it in the message), in the body's ``ErrorCode`` and in ``X-Local-Endpoint-Error-Code`` (botocore
+  keeps only the headers of an error it has no model for); closing a lost session is the
+  container's idempotent 200. A reply
+  carrying ``X-Amzn-SageMaker-Closed-Session-Id`` unbinds the id.
 * none: a stateless call, to the least-loaded instance.
 
 A body over SageMaker's 6 MB cap (``MAX_BODY_BYTES``) is refused with a 400 ``ValidationError``
@@ -40,16 +44,18 @@ from handlers.interrupted import (
     interrupted_reply,
     not_ready_reply,
 )
+from llava import session_ids
+from llava.errors import clip, echo
 from llava_client.limits import MAX_REQUEST_BYTES
 from local_endpoint import eventstream
-from local_endpoint.router import Backend, Router
+from local_endpoint.router import Backend, Loss, Router
 
 SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 INSTANCE_HEADER = "X-Local-Endpoint-Instance"
+ERROR_CODE_HEADER = "X-Local-Endpoint-Error-Code"
 NEW_SESSION = "NEW_SESSION"
-SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")  # botocore's SessionId pattern
 FORWARDED = ("Content-Type", "Accept", "X-Amzn-SageMaker-Custom-Attributes", SESSION_HEADER)
 MAX_BODY_BYTES = MAX_REQUEST_BYTES  # SageMaker's cap, the one the client checks too
 _ROUTE = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
@@ -68,8 +74,32 @@ class Rejected(Exception):
         )
 
 
-def validation_error(message: str) -> Rejected:
-    return Rejected(400, "ValidationError", message)
+def validation_error(message: str, **fields) -> Rejected:
+    return Rejected(400, "ValidationError", message, **fields)
+
+
+def unknown_session(session_id: str, loss: Loss | None) -> Rejected:
+    """The router's answer to an id it does not hold: lost with its instance, or never known.
+    ``ErrorCode`` tells them apart without reading the message."""
+    if loss is None:
+        return validation_error(
+            f"Session {session_id} does not exist: it was never opened, or was closed or expired",
+            ErrorCode="SESSION_NOT_FOUND",
+        )
+    return validation_error(
+        f"Session {session_id} was lost with {loss.instance}, whose worker died or stopped "
+        f"answering ({loss.sessions} sessions lost with it): open a new session",
+        ErrorCode="SESSION_LOST",
+    )
+
+
+def closed_lost(session_id: str) -> tuple[bytes, dict[str, str]]:
+    """The container's idempotent close, for a session the endpoint knows was lost."""
+    body = {"sessionId": session_id, "closed": True, "alreadyGone": "lost"}
+    return json.dumps(body).encode(), {
+        "Content-Type": "application/json",
+        CLOSED_SESSION_HEADER: session_id,
+    }
 
 
 def oversize(length: int) -> Rejected:
@@ -138,11 +168,16 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 (BaseHTTPRequestHandler's signature)
         pass
 
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's refusals (a bad request line, an unknown method) quote the
+        input: bounded as every other message (llava.errors.clip)."""
+        super().send_error(code, message and clip(message), explain)
+
     def do_GET(self):
         if urlsplit(self.path).path == "/ping":
             self._send(200, b"{}", {"Content-Type": "application/json"})
         else:
-            self._reject(Rejected(404, "UnknownOperationException", f"no route {self.path}"))
+            self._reject(no_route(self.path))
 
     def do_POST(self):
         length = int(self.headers.get("Content-Length") or 0)
@@ -154,10 +189,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             route = _ROUTE.fullmatch(urlsplit(self.path).path)
             if route is None:
-                raise Rejected(404, "UnknownOperationException", f"no route {self.path}")
+                raise no_route(self.path)
             name = unquote(route[1])
             if name != self.server.endpoint_name:
-                raise validation_error(f"Endpoint {name} of account local not found.")
+                raise validation_error(f"Endpoint {echo(name)} of account local not found.")
             streaming = route[2] == "invocations-response-stream"
             self._invoke(body, self.headers.get(SESSION_HEADER), streaming)
         except Rejected as rejected:
@@ -177,16 +212,32 @@ class _Handler(BaseHTTPRequestHandler):
                     "open it with InvokeEndpoint and SessionId NEW_SESSION"
                 )
             backend, reply = self._forward_to_any(body)
-        else:
-            if len(session_id) > 256 or not SESSION_ID.match(session_id):
-                raise validation_error(f"Invalid SessionId {session_id!r}")
-            backend = self.server.router.for_session(session_id)
-            if backend is None:
-                raise validation_error(
-                    f"Session {session_id} does not exist: it was never opened, was closed, "
-                    "or its instance is gone"
-                )
-            reply = self._forward_to_session(backend, session_id, body)
+            try:
+                self._answer(backend, reply, streaming, opening=session_id == NEW_SESSION)
+            finally:
+                self.server.router.placed(backend)  # bound by now, if it opened a session
+            return
+        _check_session_id(session_id)
+        router = self.server.router
+        backend = router.for_session(session_id)
+        if backend is None:
+            if (loss := router.lost(session_id)) is not None and _is_close(body):
+                self._send(200, *closed_lost(session_id))
+                router.unbind(session_id)
+                return
+            raise unknown_session(session_id, loss)
+        try:
+            reply = self._forward_to_session(backend, body)
+        except BackendDown:
+            router.mark_dead(backend)
+            # again, now as a lost id: the close answered, the ask told how many went with it
+            self._invoke(body, session_id, streaming)
+            return
+        self._answer(backend, reply, streaming, opening=False)
+
+    def _answer(
+        self, backend: Backend, reply: http.client.HTTPResponse, streaming: bool, opening: bool
+    ) -> None:
         with reply:
             if reply.status == WORKER_DIED_STATUS and backend.coming_back():
                 raise front_error(interrupted_reply("TorchServe: worker died"))
@@ -195,12 +246,12 @@ class _Handler(BaseHTTPRequestHandler):
             if streaming:
                 self._stream(backend, reply)
             else:
-                self._relay(backend, reply, opening=session_id == NEW_SESSION)
+                self._relay(backend, reply, opening)
 
-    def _forward_to_session(
-        self, backend: Backend, session_id: str, body: bytes
-    ) -> http.client.HTTPResponse:
-        """To the session's instance; a supervised one that is restarting keeps its sessions."""
+    def _forward_to_session(self, backend: Backend, body: bytes) -> http.client.HTTPResponse:
+        """To the session's instance. One restarting with the persistent tier keeps its
+        sessions: a call meanwhile is ``NOT_READY``, one it dropped ``TURN_INTERRUPTED``.
+        Otherwise ``BackendDown``: its sessions are lost."""
         try:
             if not backend.serving():
                 if backend.coming_back():
@@ -210,19 +261,17 @@ class _Handler(BaseHTTPRequestHandler):
         except BackendDown as down:
             if backend.coming_back():
                 raise front_error(interrupted_reply(str(down))) from None
-            lost = self.server.router.mark_dead(backend)
-            raise validation_error(
-                f"Session {session_id} does not exist any more: instance {backend.name} "
-                f"stopped answering ({lost} sessions lost)"
-            ) from None
+            raise
 
     def _forward_to_any(self, body: bytes) -> tuple[Backend, http.client.HTTPResponse]:
-        """Opens and stateless calls may go anywhere: try the live instances, least loaded first."""
+        """Opens and stateless calls may go anywhere: try the live instances, least loaded
+        first. The one that answers counts the call as in flight until ``placed``."""
         tried: set[str] = set()
-        while (backend := self.server.router.for_new_session(frozenset(tried))) is not None:
+        while (backend := self.server.router.place(frozenset(tried))) is not None:
             try:
                 return backend, self._forward(backend, body)
             except BackendDown:
+                self.server.router.placed(backend)
                 self.server.router.mark_dead(backend)
                 tried.add(backend.name)
         raise Rejected(503, "ServiceUnavailable", "no instance of the endpoint is answering")
@@ -298,6 +347,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _reject(self, rejected: Rejected) -> None:
         body = {"message": rejected.message, **rejected.fields}
         headers = {"Content-Type": "application/json", "x-amzn-ErrorType": rejected.error_type}
+        if "ErrorCode" in rejected.fields:
+            headers[ERROR_CODE_HEADER] = rejected.fields["ErrorCode"]
         self._send(rejected.status, json.dumps(body).encode(), headers)
 
     def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
@@ -308,6 +359,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
         self.end_headers()
         self.wfile.write(body)
+
+
+def no_route(path: str) -> Rejected:
+    return Rejected(404, "UnknownOperationException", f"no route {echo(path)}")
+
+
+def _check_session_id(session_id: str) -> None:
+    """SageMaker's own check of the id (botocore does not check the pattern or the length)."""
+    if (why := session_ids.refusal(session_id, "SessionId")) is not None:
+        raise validation_error(why, ErrorCode="INVALID_SESSION_ID")
+
+
+def _is_close(body: bytes) -> bool:
+    try:
+        return json.loads(body).get("requestType") == "CLOSE_SESSION"
+    except (ValueError, AttributeError):
+        return False
 
 
 def _split(data: bytes, size: int) -> list[bytes]:

@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import boto3
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,13 +76,7 @@ def main() -> None:
     endpoint = LocalEndpoint(Path(tempfile.mkdtemp(prefix="bench-ep-")), 1, free_ports(1)[0])
     (instance,) = endpoint.start(timeout=180)
     try:
-        runtime = boto3.client(
-            "sagemaker-runtime",
-            endpoint_url=endpoint.url,
-            region_name="us-east-1",
-            aws_access_key_id="local",
-            aws_secret_access_key="local",
-        )
+        runtime = endpoint.runtime()
         chat = LlavaClient(NAME, runtime=runtime).open(base64.b64decode(image_b64))
         paths = {
             "direct to TorchServe": RawSession(

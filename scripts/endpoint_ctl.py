@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import boto3
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,6 +67,18 @@ class LocalEndpoint:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def runtime(self, config=None):
+        """An unmodified boto3 sagemaker-runtime client for this endpoint (dummy credentials:
+        the local endpoint checks no signature)."""
+        return boto3.client(
+            "sagemaker-runtime",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="local",
+            aws_secret_access_key="local",
+            config=config,
+        )
 
     @property
     def log(self) -> Path:

@@ -37,12 +37,14 @@ class Supervisor:
         window_s: float = 600.0,
         start_timeout_s: float = 180.0,
         log: Callable[[str], None] = print,
+        on_death: Callable[[], None] = lambda: None,  # e.g. the router forgets its sessions
     ):
         self.ts = ts
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.start_timeout_s = start_timeout_s
         self.log = log
+        self.on_death = on_death
         self.restarts: deque[float] = deque()  # monotonic times of the restarts in the window
         self._pid: int | None = None  # the READY worker we watch; None while (re)starting
         self.gave_up = False  # watch_in_thread ended: the instance is left down
@@ -92,6 +94,7 @@ class Supervisor:
 
     def restart(self) -> int:
         dead, self._pid = self._pid, None
+        self.on_death()
         now = time.monotonic()
         while self.restarts and now - self.restarts[0] > self.window_s:
             self.restarts.popleft()

@@ -223,3 +223,14 @@ def test_a_client_hanging_up_mid_stream_cancels_its_sessions_turn(front, upstrea
     client.close()
     assert upstream.cancelled.wait(WAIT_S), "no CANCEL_TURN reached the upstream"
     assert upstream.cancels == ["session-1"]
+
+
+def test_a_refusal_of_the_standard_library_repeats_a_bounded_piece_of_its_input(front):
+    """An unknown 10,000-character method is answered 501 without being echoed whole."""
+    host, port = front.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        sock.sendall(b"X" * 10_000 + b" /invocations HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 501") and b"X" * 200 not in reply and len(reply) < 2000

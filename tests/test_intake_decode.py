@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import tracemalloc
 
 import pytest
@@ -9,6 +11,7 @@ from PIL import Image
 
 from llava.errors import ImageTooLarge, NotAnImage
 from llava.intake import IntakePolicy, decode_image
+from llava.intake.decode import DecodeBudget
 from tests.intake_servers import image_bytes, png_header
 
 POLICY = IntakePolicy()
@@ -28,8 +31,10 @@ def test_huge_declared_size_is_refused_without_decoding(width, height):
     assert len(data) < 100
     tracemalloc.start()
     try:
-        with pytest.raises(ImageTooLarge, match="too large|max_pixels"):
+        # the project's documented limit, checked first: not Pillow's decompression-bomb text
+        with pytest.raises(ImageTooLarge, match=rf"{width}x{height} .*intake\.max_pixels") as e:
             decode_image(data, POLICY)
+        assert "bomb" not in str(e.value)
         assert tracemalloc.get_traced_memory()[1] < 10 * 1024 * 1024
     finally:
         tracemalloc.stop()
@@ -112,3 +117,59 @@ def test_every_mode_comes_out_rgb(image, fmt, expected):
     assert result.mode == "RGB", source_mode
     pixels = [result.getpixel((x, 0)) for x in range(2)]
     assert all(near(p, e) for p, e in zip(pixels, expected, strict=True)), (source_mode, pixels)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "size"),
+    [("PNG", (3000, 2000)), ("JPEG", (3000, 2000)), ("PNG", (700, 200)), ("GIF", (1000, 1000))],
+)
+def test_a_large_image_is_decoded_only_as_large_as_the_model_needs(fmt, size):
+    """Shorter side kept between 2x and 4x the model's side (JPEG by its decoder's draft),
+    aspect and colour kept; an image already small enough comes out untouched."""
+    image = Image.new("RGB", size, BLUE)
+    image.paste(RED, (0, 0, size[0] // 2, size[1]))
+    decoded = decode_image(image_bytes(image, fmt), POLICY, fit=64)
+    if min(size) < 4 * 64:
+        assert decoded.size == size
+    else:
+        assert 2 * 64 <= min(decoded.size) < 4 * 64
+        assert abs(decoded.width / decoded.height - size[0] / size[1]) < 0.05
+    assert near(decoded.getpixel((2, 2)), RED)
+    assert near(decoded.getpixel((decoded.width - 3, 2)), BLUE)
+    assert decoded.mode == "RGB"
+
+
+def test_decodes_wait_while_the_memory_they_take_is_over_the_budget():
+    budget, entered, release = DecodeBudget(), [], {n: threading.Event() for n in "abc"}
+
+    def decode(name: str, needed: int) -> None:
+        with budget.hold(needed, 500):
+            entered.append(name)
+            release[name].wait(10)  # the decode's work, until the test lets it end
+
+    def until(condition) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    threads = {
+        n: threading.Thread(target=decode, args=(n, k))
+        for n, k in zip("abc", (300, 300, 100), strict=True)
+    }
+    threads["a"].start()
+    until(lambda: entered == ["a"])
+    threads["b"].start()  # 600 > 500: waits for a
+    threads["c"].start()  # 400 <= 500: enters beside a
+    until(lambda: "c" in entered)
+    release["c"].set()
+    threads["c"].join(10)
+    assert entered == ["a", "c"]
+    release["a"].set()
+    until(lambda: "b" in entered)
+    release["b"].set()
+    for thread in threads.values():
+        thread.join(10)
+    with budget.hold(10_000, 500):  # larger than the whole budget: runs, alone
+        assert budget.held() == 10_000
+    assert budget.held() == 0

@@ -8,8 +8,10 @@ one instance down for good.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -195,6 +197,42 @@ def test_a_caller_hanging_up_mid_stream_stops_its_turn(rt, images):
     assert next_prompt_tokens(cut) < next_prompt_tokens(reference) - 150
 
 
+def test_opens_at_the_same_moment_spread_over_the_instances(rt, images):
+    """Placement counts opens in flight: 24 at once do not all land where nothing was bound."""
+    with ThreadPoolExecutor(24) as pool:
+        opened = list(pool.map(lambda i: open_raw(rt, images.url(i % 3)), range(24)))
+    per_instance = [sum(1 for _, name in opened if name == f"instance-{i}") for i in (0, 1)]
+    assert abs(per_instance[0] - per_instance[1]) <= 2, per_instance
+    for session_id, _ in opened:
+        invoke(rt, session_id, {"requestType": "CLOSE_SESSION"})
+
+
+def refusal(rt, session_id) -> dict:
+    """The endpoint's 400 for an ask on ``session_id``, its code (a header: botocore drops an
+    unmodelled error's extra body fields) as ``ErrorCode``."""
+    with pytest.raises(ClientError) as raised:
+        ask_raw(rt, session_id, "What shape is it?")
+    response = raised.value.response
+    assert response["ResponseMetadata"]["HTTPStatusCode"] == 400
+    headers = response["ResponseMetadata"]["HTTPHeaders"]
+    return {**response, "ErrorCode": headers.get("x-local-endpoint-error-code")}
+
+
+def test_bad_session_ids_are_refused_without_being_echoed_whole(rt, images):
+    """botocore checks neither the pattern nor the length of SessionId: the endpoint does."""
+    error = refusal(rt, "a" * 10_000)
+    assert error["Error"]["Code"] == "ValidationError"
+    assert error["ErrorCode"] == "INVALID_SESSION_ID" and len(error["Error"]["Message"]) < 300
+    session_id, _ = open_raw(rt, images.url(0))
+    error = refusal(rt, f"{session_id}; Expires=2030-01-01T00:00:00Z")  # the header sent back
+    assert (
+        "drop the suffix" in error["Error"]["Message"] and session_id in error["Error"]["Message"]
+    )
+    invoke(rt, session_id, {"requestType": "CLOSE_SESSION"})
+    error = refusal(rt, session_id)
+    assert error["ErrorCode"] == "SESSION_NOT_FOUND"
+
+
 def test_a_stream_cannot_open_a_session(rt):
     with pytest.raises(ClientError) as raised:
         rt.invoke_endpoint_with_response_stream(
@@ -206,11 +244,11 @@ def test_a_stream_cannot_open_a_session(rt):
 def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, client, images):
     """Two ways to lose sessions, the client's recovery, and the bystanders untouched.
 
-    A. instance-0 dies altogether: the endpoint forgets its sessions (ValidationError);
+    A. instance-0 dies altogether: the endpoint forgets its sessions (ValidationError with
+       ErrorCode SESSION_LOST, each told how many went with it; closing one is a 200);
        instance-1's sessions go on as if nothing happened.
     B. then instance-1's worker dies: the endpoint's supervisor restarts the instance empty
-       (scripts/supervisor.py), so ids reach a container that does not know them: ModelError
-       with the container's 400 SESSION_NOT_FOUND.
+       (scripts/supervisor.py) and the router counts its sessions lost at once.
     """
     truths = [images.samples[i % 3] for i in range(4)]
     chats = [client.open(images.url(i % 3)) for i in range(4)]
@@ -222,9 +260,15 @@ def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, c
     # A. instance-0 dies
     kill(TorchServeInstance(endpoint.run_dir / "instance-0").processes())
     victims = [chat for chat in chats if held[id(chat)] == "instance-0"]
-    with pytest.raises(ClientError) as raised:
-        ask_raw(rt, victims[0].id, "And its shape?")
-    assert raised.value.response["Error"]["Code"] == "ValidationError"
+    told = set()
+    for victim in victims:  # whichever request notices the death, each is told the same count
+        error = refusal(rt, victim.id)
+        assert (error["Error"]["Code"], error["ErrorCode"]) == ("ValidationError", "SESSION_LOST")
+        told.add(int(re.search(r"\((\d+) sessions lost", error["Error"]["Message"])[1]))
+    assert len(told) == 1 and told.pop() >= len(victims)
+    closed = invoke(rt, victims[-1].id, {"requestType": "CLOSE_SESSION"})  # idempotent close
+    assert closed["ClosedSessionId"] == victims[-1].id
+    assert json.loads(closed["Body"].read())["alreadyGone"] == "lost"
     for chat, truth in zip(chats, truths, strict=True):
         old_id, was_victim = chat.id, chat in victims
         answer = chat.ask("And its shape?")
@@ -252,11 +296,9 @@ def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, c
         time.sleep(0.2)
     assert f"instance-1: supervisor: worker {old} died" in endpoint.log.read_text()
     assert ts1.worker_pid() not in (None, old)
-    with pytest.raises(ClientError) as raised:
-        ask_raw(rt, chats[0].id, "Say that again.")
-    error = raised.value.response
-    assert error["Error"]["Code"] == "ModelError" and error["OriginalStatusCode"] == 400
-    assert json.loads(error["OriginalMessage"])["error"]["code"] == "SESSION_NOT_FOUND"
+    error = refusal(rt, chats[0].id)
+    assert (error["Error"]["Code"], error["ErrorCode"]) == ("ValidationError", "SESSION_LOST")
+    assert "lost with instance-1, whose worker died" in error["Error"]["Message"]
     for chat, truth in zip(chats, truths, strict=True):
         recoveries = chat.recoveries
         assert chat.ask("Say that again.").text == truth.shape  # needs the replayed turns

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from handlers.errors import STATUS_BY_ERROR, error_response
 from handlers.protocol import (
+    SESSION_HEADER,
     AskSession,
     CancelTurn,
     CloseSession,
@@ -21,6 +22,7 @@ from handlers.protocol import (
 )
 from llava import errors
 from llava.errors import EngineError, InvalidRequest
+from llava.generation import GenerationParams
 from tests.strategies import json_values
 
 SID = "3f2a-9b7c-0d1e"
@@ -258,3 +260,40 @@ def test_arbitrary_input_is_a_request_or_a_typed_error(body, headers):
         assert err.code and err.message
     else:
         assert isinstance(request, OpenSession | AskSession | CloseSession | CancelTurn)
+
+
+LONG = "a" * 10_000
+
+
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        ({"requestType": "SESSION"}, {SESSION_HEADER: LONG}),  # a 10,000-character session id
+        ({"requestType": LONG}, {}),
+        (
+            {"requestType": "SESSION", "inputs": "hi", "parameters": {LONG: 1}},
+            {SESSION_HEADER: SID},
+        ),
+        ({"extSessionID": LONG}, {}),
+    ],
+)
+def test_no_error_repeats_more_than_a_bounded_piece_of_its_input(body, headers):
+    try:
+        request = parse_request(json.dumps(body), headers)
+        GenerationParams.from_mapping(
+            request.parameters, default_max_new_tokens=64, max_new_tokens_limit=512
+        )
+    except EngineError as e:
+        message = error_response(e).payload["error"]["message"]
+    else:
+        raise AssertionError("accepted")
+    assert LONG[:200] not in message and len(message) < 600
+
+
+@pytest.mark.parametrize("name", ["max_new_tokens", "temperature", "do_sample"])
+def test_a_parameter_value_is_repeated_bounded(name):
+    with pytest.raises(InvalidRequest) as raised:
+        GenerationParams.from_mapping(
+            {name: [LONG]}, default_max_new_tokens=64, max_new_tokens_limit=512
+        )
+    assert LONG[:200] not in raised.value.message and "10,0" in raised.value.message

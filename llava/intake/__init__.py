@@ -47,8 +47,11 @@ def parse_image_source(obj: object) -> dict[str, str]:
     return obj
 
 
-def load_image(source: object, policy: IntakePolicy | None = None) -> Image.Image:
-    """Fetch (or decode inline) and decode the image ``source`` names, under ``policy``."""
+def load_image(
+    source: object, policy: IntakePolicy | None = None, fit: int | None = None
+) -> Image.Image:
+    """Fetch (or decode inline) and decode the image ``source`` names, under ``policy``;
+    ``fit``: the side the model resizes to (``decode_image``)."""
     policy = policy or IntakePolicy()
     ((kind, value),) = parse_image_source(source).items()
     if kind == "url":
@@ -57,7 +60,7 @@ def load_image(source: object, policy: IntakePolicy | None = None) -> Image.Imag
         data = fetch_s3(value, policy)
     else:
         data = _decode_b64(value, policy.max_bytes)
-    return decode_image(data, policy)
+    return decode_image(data, policy, fit)
 
 
 def _check_url_shape(url: str) -> None:

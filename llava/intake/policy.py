@@ -30,8 +30,10 @@ class IntakePolicy:
     ``deadline_s`` bounds the whole fetch, redirects and slow bodies included; the per-socket
     timeouts alone cannot stop a server that drips one byte at a time.
     ``s3_buckets`` empty means any bucket the server's credentials can read.
-    PIL itself refuses images over 2 x ``Image.MAX_IMAGE_PIXELS`` (~179 MP) whatever
-    ``max_pixels`` says.
+    ``max_pixels`` is checked first, from the header; PIL itself refuses images over
+    2 x ``Image.MAX_IMAGE_PIXELS`` (~179 MP) whatever ``max_pixels`` says.
+    ``decode_budget_bytes`` bounds the memory of the decodes a worker runs at once (each
+    counted as 8 bytes a pixel, from the header); one larger than it runs alone.
     """
 
     connect_timeout_s: float = 3.0
@@ -39,6 +41,7 @@ class IntakePolicy:
     deadline_s: float = 20.0
     max_bytes: int = 20 * MiB
     max_pixels: int = 50_000_000
+    decode_budget_bytes: int = 512 * MiB
     formats: frozenset[str] = frozenset({"PNG", "JPEG", "GIF", "WEBP", "BMP"})
     max_redirects: int = 3
     schemes: frozenset[str] = KNOWN_SCHEMES
@@ -50,7 +53,7 @@ class IntakePolicy:
     def __post_init__(self):
         for name in ("connect_timeout_s", "read_timeout_s", "deadline_s"):
             _require(getattr(self, name) > 0, f"intake.{name} must be > 0")
-        for name in ("max_bytes", "max_pixels"):
+        for name in ("max_bytes", "max_pixels", "decode_budget_bytes"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"intake.{name} must be an int > 0")
         _require(self.max_redirects >= 0, "intake.max_redirects must be >= 0")
@@ -71,7 +74,8 @@ class IntakePolicy:
     def from_mapping(cls, values: Mapping[str, Any]) -> IntakePolicy:
         """Build from config: field names as keys, lists for the set-valued fields.
 
-        Keys: connect_timeout_s, read_timeout_s, deadline_s, max_bytes, max_pixels, formats,
+        Keys: connect_timeout_s, read_timeout_s, deadline_s, max_bytes, max_pixels,
+        decode_budget_bytes, formats,
         max_redirects, schemes, allow, s3_buckets, s3_endpoint_url, s3_region. Unknown keys
         are an error, not silently ignored.
         """
