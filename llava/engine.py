@@ -33,7 +33,7 @@ from llava.runner import Runner, StepInput
 from llava.sampling import Sampler
 from llava.scheduler import Scheduler
 from llava.session import Session
-from llava.store import SessionStore, StoreCounters
+from llava.store import EVICTED, EXPIRED, SessionStore, StoreCounters
 
 __all__ = ["Answer", "Engine", "EngineStats", "Opened"]
 logger = logging.getLogger(__name__)
@@ -150,12 +150,16 @@ class Engine:
         same ids, same expiry, history and features; their KV is recomputed on their next
         turn (tier FEATURES). Returns how many (docs/design.md §Persistent tier)."""
         now = time.time()
+        loaded = self.journal.load(now)
+        for session_id in loaded.expired:
+            self.store.remember_gone(session_id, EXPIRED)
         adopted = 0
-        for entry in self.journal.load(now):
+        for entry in loaded.live:
             snapshot = entry.snapshot
             holding = self.memory.hold_features(entry.features)
             if holding is None:
                 self.journal.remove(snapshot.session_id)
+                self.store.remember_gone(snapshot.session_id, EVICTED)
                 logger.warning(
                     "persistent tier: session %s not adopted: no room for its features",
                     snapshot.session_id,

@@ -23,6 +23,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -64,6 +65,14 @@ class Persisted:
     @property
     def expires_wall(self) -> float:
         return self.snapshot.last_used_wall + self.snapshot.ttl_s
+
+
+class Loaded(NamedTuple):
+    """What a start finds: the entries to adopt (least recently used first), and the ids of
+    sessions that expired while no worker held them (still answered SESSION_EXPIRED)."""
+
+    live: list[Persisted]
+    expired: list[str]
 
 
 def model_identity(model: torch.nn.Module, dtype: torch.dtype) -> str:
@@ -120,8 +129,8 @@ class NoJournal:
     def remove(self, session_id: str) -> None:
         pass
 
-    def load(self, now_wall: float) -> list[Persisted]:
-        return []
+    def load(self, now_wall: float) -> Loaded:
+        return Loaded([], [])
 
 
 class SessionJournal:
@@ -175,10 +184,11 @@ class SessionJournal:
         with self._lock:
             self._unlink(session_id)
 
-    def load(self, now_wall: float) -> list[Persisted]:
-        """Every live, whole entry of this model, least recently used first; everything else
-        in the directory that is ours (corrupt, truncated, foreign, expired, orphaned, over the
-        cap, temporary) is removed with one log line each."""
+    def load(self, now_wall: float) -> Loaded:
+        """Every live, whole entry of this model, least recently used first, and the ids of
+        whole ones that expired meanwhile; everything else in the directory that is ours
+        (corrupt, truncated, foreign, expired, orphaned, over the cap, temporary) is removed
+        with one log line each."""
         found: dict[str, set[str]] = {}
         for path in self.directory.iterdir():
             if path.name.startswith(_TEMP):
@@ -199,11 +209,12 @@ class SessionJournal:
             if FEATURES in suffixes and entry.features is None:
                 _discard(self._path(session_id, FEATURES), "features the state does not name")
             entries.append(entry)
-        adopted = []
+        adopted, expired = [], []
         for entry in sorted(entries, key=lambda e: -e.snapshot.last_used_wall):  # newest first
             session_id = entry.snapshot.session_id
             if entry.expires_wall <= now_wall:
                 self._drop(session_id, "expired", log=logging.INFO)
+                expired.append(session_id)
                 continue
             kept = self._on_disk(entry)
             if self._total + kept.total > self.max_bytes:
@@ -212,7 +223,7 @@ class SessionJournal:
             self._entries[session_id] = kept
             self._total += kept.total
             adopted.append(entry)
-        return adopted[::-1]
+        return Loaded(adopted[::-1], expired)
 
     # -- files -----------------------------------------------------------------------------
     def _path(self, session_id: str, suffix: str) -> Path:

@@ -118,6 +118,12 @@ class ShardedEngine:
             raise
         return cls(engines)
 
+    @property
+    def image_side(self) -> int:
+        """Every shard holds the same checkpoint: the side its processor resizes to
+        (llava.engine.Engine.image_side)."""
+        return self.shards[0].image_side
+
     def warm_up(self) -> float:
         """Warm every shard (llava.engine.Engine.warm_up); the seconds it took in all."""
         start = time.perf_counter()

@@ -115,6 +115,12 @@ class SessionStore:
             self._sessions[session.session_id] = session
             self.memory.adopt(session.holding, session.session_id)
 
+    def remember_gone(self, session_id: str, reason: str) -> None:
+        """An id a previous worker held that this one does not (EXPIRED meanwhile, or EVICTED
+        for want of room): it is answered with that reason, and closing it is idempotent."""
+        with self._lock:
+            self._remember(session_id, reason)
+
     def check_id_free(self, session_id: str) -> None:
         """Refuse an id a client asked for if it is live or still remembered."""
         with self._lock:
@@ -252,6 +258,9 @@ class SessionStore:
         session = self._sessions.pop(session_id)
         self.memory.release(session.holding)  # a no-op for an evicted one
         self.entries.remove(session_id)
+        self._remember(session_id, reason)
+
+    def _remember(self, session_id: str, reason: str) -> None:
         self._gone[session_id] = reason
         while len(self._gone) > _REMEMBERED_IDS:
             self._gone.popitem(last=False)

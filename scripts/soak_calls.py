@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 
 from botocore.exceptions import ClientError
 
+# The contract's "send it again" 503s (README, errors): a worker restarting with its sessions
+# (NOT_READY) or one that died under the call (TURN_INTERRUPTED). The soak sends such a call
+# again, as a client should, for at most RETRY_FOR_S; the 503 stays in the books.
+RETRYABLE = ("NOT_READY", "TURN_INTERRUPTED")
+RETRY_FOR_S = 60.0
+
 
 # -- calls and what came back --------------------------------------------------------------------
 @dataclass
@@ -21,6 +27,7 @@ class Outcome:
     instance: str = ""
     message: str = ""
     wrong: bool | None = None  # None: no answer checked
+    retry_after_s: float = 0.0  # the wait a retryable 503 asked for
 
 
 @dataclass
@@ -58,6 +65,18 @@ class Caller:
     def call(
         self, kind: str, session_id: str | None, body, stream: bool = False, hang_up_after: int = 0
     ) -> tuple[Outcome, dict | None]:
+        """One call, sent again after a retryable 503 (booked as ``retried:<kind>``)."""
+        give_up_at = time.monotonic() + RETRY_FOR_S
+        while True:
+            outcome, payload = self._call_once(kind, session_id, body, stream, hang_up_after)
+            if outcome.code not in RETRYABLE or time.monotonic() > give_up_at:
+                return outcome, payload
+            outcome.kind = f"retried:{kind}"
+            time.sleep(min(outcome.retry_after_s, 5.0) or 1.0)
+
+    def _call_once(
+        self, kind: str, session_id: str | None, body, stream: bool, hang_up_after: int
+    ) -> tuple[Outcome, dict | None]:
         began = time.monotonic()
         raw = body if isinstance(body, bytes | str) else json.dumps(body)
         args = {"EndpointName": self.name, "Body": raw, "ContentType": "application/json"}
@@ -75,14 +94,16 @@ class Caller:
         instance = reply["ResponseMetadata"]["HTTPHeaders"].get("x-local-endpoint-instance", "")
         error = payload.get("error") if isinstance(payload, dict) else None
         if error:  # a stream that failed after it began: its last line says why
+            code = str(error.get("code"))
             outcome = Outcome(
                 kind,
-                500,
-                str(error.get("code")),
+                503 if code in RETRYABLE else 500,  # the status the contract gives that code
+                code,
                 time.monotonic() - began,
                 began,
                 instance,
                 str(error.get("message")),
+                retry_after_s=float(error.get("retryAfterS") or 0),
             )
             return self.books.add(outcome, session_id), None
         outcome = Outcome(kind, 200, "", time.monotonic() - began, began, instance)
@@ -124,11 +145,13 @@ def _failure(kind: str, err: ClientError, began: float) -> Outcome:
     headers = meta.get("HTTPHeaders", {})
     status, code = meta.get("HTTPStatusCode", 0), response.get("Error", {}).get("Code", "")
     message = response.get("Error", {}).get("Message", "")
+    retry_after_s = 0.0
     if code == "ModelError":  # the container's own status and code
         status = response.get("OriginalStatusCode", status)
         try:
             error = json.loads(response.get("OriginalMessage", ""))["error"]
             code, message = error["code"], error["message"]
+            retry_after_s = float(error.get("retryAfterS") or 0)
         except (ValueError, KeyError, TypeError):
             code = f"ModelError/{status}"
     elif headers.get("x-local-endpoint-error-code"):
@@ -141,4 +164,5 @@ def _failure(kind: str, err: ClientError, began: float) -> Outcome:
         began,
         headers.get("x-local-endpoint-instance", ""),
         message,
+        retry_after_s=retry_after_s,
     )

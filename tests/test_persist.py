@@ -88,7 +88,7 @@ def test_close_and_expiry_remove_entries(demo_model, sample, tmp_path):
 def test_entries_of_another_model_are_removed_with_a_log_line(tmp_path, caplog):
     SessionJournal(tmp_path, 1 << 20, "model-b").save(snapshot(), torch.ones(4, 8))
     with caplog.at_level(logging.WARNING, "llava.persist"):
-        assert SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()) == []
+        assert SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()).live == []
     assert "another model's entry" in caplog.text
     assert not list(tmp_path.iterdir())
 
@@ -108,7 +108,7 @@ def test_corrupt_or_truncated_entries_are_removed(tmp_path, caplog, damage, suff
     }[damage]
     path.write_bytes(damaged)
     with caplog.at_level(logging.WARNING, "llava.persist"):
-        adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time())
+        adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()).live
     assert [e.snapshot.session_id for e in adopted] == ["good"]
     assert torch.equal(adopted[0].features, torch.ones(4, 8))
     assert "bad" in caplog.text
@@ -122,7 +122,7 @@ def test_expired_orphaned_and_unfinished_files_are_removed(tmp_path):
     (tmp_path / "orphan.state").unlink()
     (tmp_path / ".tmp-live.state-1-2").write_bytes(b"half")
     journal.save(snapshot("live"))
-    adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time())
+    adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()).live
     assert [e.snapshot.session_id for e in adopted] == ["live"]
     assert [p.name for p in tmp_path.iterdir()] == ["live.state"]
 
@@ -148,7 +148,7 @@ def test_the_directory_never_grows_past_its_cap(tmp_path, caplog):
     assert sum(p.stat().st_size for p in (tmp_path / "cap").iterdir()) <= journal.max_bytes
     # a lower cap at the next start keeps the most recent entries that fit
     smaller = SessionJournal(tmp_path / "cap", per_session, MODEL)
-    assert [e.snapshot.session_id for e in smaller.load(time.time())] == ["s1"]
+    assert [e.snapshot.session_id for e in smaller.load(time.time()).live] == ["s1"]
     assert sorted(p.name for p in (tmp_path / "cap").iterdir()) == ["s1.features", "s1.state"]
 
 
@@ -159,6 +159,30 @@ def test_a_full_directory_degrades_to_sessions_lost(demo_model, sample, tmp_path
     restarted = new_engine(demo_model, tmp_path)
     with pytest.raises(SessionNotFound):
         restarted.ask(session_id, QUESTIONS[1])
+
+
+def test_a_session_that_expired_or_found_no_room_meanwhile_is_told_why(
+    demo_model, sample, tmp_path
+):
+    """What a restarted worker cannot adopt is answered as expired or evicted (not as an id
+    never seen), and closing it is the idempotent close."""
+    first = new_engine(demo_model, tmp_path)
+    held = [first.open(sample.image).session_id for _ in range(2)]
+    first.stop()
+    SessionJournal(tmp_path, 1 << 20, first.journal.model).save(
+        snapshot("idle", last_used=time.time() - 120, ttl_s=60)  # expired while down
+    )
+    config = EngineConfig(model_dir="unused", persist_dir=str(tmp_path))
+    one_block = Engine(demo_model, config, MemoryBudget(36_864))  # room for one image's features
+    assert one_block.adopted == 1
+    evicted = next(i for i in held if i not in one_block.store)
+    for session_id, code in (("idle", "SESSION_EXPIRED"), (evicted, "SESSION_EVICTED")):
+        with pytest.raises(SessionNotFound) as refused:
+            one_block.ask(session_id, QUESTIONS[0])
+        assert refused.value.code == code
+        assert one_block.close(session_id) == code
+    kept = next(i for i in held if i != evicted)
+    assert {p.stem for p in tmp_path.iterdir()} == {kept}  # the others' entries are removed
 
 
 def test_a_bad_directory_or_cap_fails_the_start_in_one_line(tmp_path):

@@ -1,9 +1,8 @@
 """`make soak`, short: load, faults and bad input together through boto3 against the local
 endpoint over two real TorchServe instances (scripts/soak.py), its table's rules as the verdict.
 
-Bounded: 40 s of load with 4 conversations, plus the endpoint's start and stop (~1.5 min here).
-The worker kill is left out of this short run: on its own it loses the killed instance's
-sessions until sessions survive a worker crash (issue 25); `make soak` runs it.
+Bounded: 40 s of load with 4 conversations, plus the endpoint's start and stop (~1.5 min here),
+every fault included: the killed worker's sessions go on (the persistent tier).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.torchserve
-CI_FAULTS = "slow,reset,hangup,big,memory"
+CI_FAULTS = "kill,slow,reset,hangup,big,memory"
 
 
 def test_a_short_soak_keeps_every_rule(tmp_path):
