@@ -50,7 +50,7 @@ test: setup lint demo-mar
 # CPU flavour and runs it as SageMaker does (scripts/container_tier.py). One line and no
 # failure if Docker cannot start on this machine.
 test-container: setup demo-mar
-	$(PY) scripts/container_tier.py
+	$(PY) -m scripts.container_tier
 
 # The production image (CUDA torch; Docker Hub's python base): `docker build` of the Dockerfile.
 # IMAGE_BUILD_FLAGS e.g. "--network host" where the build needs the host's network, or
@@ -62,7 +62,7 @@ image:
 
 # Archives, serves on loopback, chats about a demo image, closes, stops (see scripts/demo.py).
 demo: demo-mar
-	$(PY) scripts/demo.py
+	$(PY) -m scripts.demo
 
 # Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn,
 # the handler's per-request cost against the number of idle sessions held, the local
@@ -70,55 +70,55 @@ demo: demo-mar
 # (batched turns against one request at a time), then session memory across tiers (restore
 # from host against recompute, sessions per tier, accounted against actual bytes).
 bench: demo-mar
-	$(PY) scripts/bench_turns.py
-	$(PY) scripts/bench_handler.py
-	$(PY) scripts/bench_sessions.py
-	$(PY) scripts/bench_endpoint.py
-	$(PY) scripts/bench_front.py
-	$(PY) scripts/bench_runner.py --threads 1
-	$(PY) scripts/bench_attention.py
-	$(PY) scripts/bench_concurrency.py
-	$(PY) scripts/bench_memory.py
+	$(PY) -m scripts.bench_turns
+	$(PY) -m scripts.bench_handler
+	$(PY) -m scripts.bench_sessions
+	$(PY) -m scripts.bench_endpoint
+	$(PY) -m scripts.bench_front
+	$(PY) -m scripts.bench_runner --threads 1
+	$(PY) -m scripts.bench_attention
+	$(PY) -m scripts.bench_concurrency
+	$(PY) -m scripts.bench_memory
 
 # On a CUDA machine: the CUDA tests, the attention candidates and the engine's table on a
 # random-weight model of llava-1.5-7b's shape (scripts/gpu_check.py). Without CUDA: one
 # line, exit 0.
 gpu-check: setup
-	$(PY) scripts/gpu_check.py
+	$(PY) -m scripts.gpu_check
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup
-	$(PY) scripts/build_demo_model.py --out $(or $(MODEL_DIR),$(DEMO_MODEL_DIR))
+	$(PY) -m scripts.build_demo_model --out $(or $(MODEL_DIR),$(DEMO_MODEL_DIR))
 
 # Always rebuilt (seconds for the demo model or a reference): a stale .mar is worse than a
 # rebuild. Refuses a missing or empty MODEL_DIR at once.
 mar: setup
-	$(PY) scripts/make_mar.py --remember $(MAR_CHOICE)
+	$(PY) -m serving.mar --remember $(MAR_CHOICE)
 
 # The demo model's .mar for demo, test and bench; the model `make mar` remembers stays as it is.
 demo-mar: setup
-	$(PY) scripts/make_mar.py --model-dir $(DEMO_MODEL_DIR) --weights inside
+	$(PY) -m serving.mar --model-dir $(DEMO_MODEL_DIR) --weights inside
 
 # Serves the model `make mar` was last given (rebuilt, so the code is fresh). Returns once the
 # worker is READY, or fails with the tail of TorchServe's logs (.run/); a bad setting fails at
 # once with its one line.
 serve: mar
-	$(PY) scripts/torchserve_ctl.py start $(SERVE_FLAGS)
+	$(PY) -m serving.torchserve start $(SERVE_FLAGS)
 
 # Stops what `serve` and what `endpoint` started.
 stop: setup
-	$(PY) scripts/torchserve_ctl.py stop $(SERVE_FLAGS)
-	$(PY) scripts/endpoint_ctl.py stop --run-dir $(ENDPOINT_DIR)
+	$(PY) -m serving.torchserve stop $(SERVE_FLAGS)
+	$(PY) -m local_endpoint.launcher stop --run-dir $(ENDPOINT_DIR)
 
 # Returns once every instance has a READY worker and the endpoint answers on ENDPOINT_PORT.
 endpoint: mar
-	$(PY) scripts/endpoint_ctl.py start --instances $(ENDPOINT_INSTANCES) \
+	$(PY) -m local_endpoint.launcher start --instances $(ENDPOINT_INSTANCES) \
 		--port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 # Executes the deploy-and-infer notebook in local mode into build/notebooks/ (it runs
 # `make endpoint` and `make stop` itself, on ENDPOINT_PORT).
 notebook: setup
-	$(PY) scripts/run_notebook.py --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
+	$(PY) -m scripts.run_notebook --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 # Sessions per instance at each memory tier, by arithmetic from the engine's own accounting
 # (python -m llava.capacity --help). Reads the config and tokenizer only: no weights needed.

@@ -54,7 +54,7 @@ class LlavaService:
     def from_context(cls, context) -> LlavaService:
         archived = (context.model_yaml_config or {}).get("handler", {})
         # Every setting is checked before anything loads: a bad one fails the start with one
-        # line (SettingsError) that scripts/torchserve_ctl.py shows at once.
+        # line (SettingsError) that serving/torchserve.py shows at once.
         config = load_config(archived, os.environ, context.system_properties["model_dir"])
         gpu_id = context.system_properties.get("gpu_id")
         config = dataclasses.replace(config, device=assigned_device(config.device, gpu_id))

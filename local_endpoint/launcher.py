@@ -1,13 +1,13 @@
 """Start and stop the local SageMaker-compatible endpoint: N TorchServe instances behind it.
 
-    python scripts/endpoint_ctl.py start [--instances 2] [--port 8090] [--name stateful-llava]
-        [--run-dir .run/endpoint] [--part-bytes 0] [--timeout 180]
-    python scripts/endpoint_ctl.py stop|status [--run-dir .run/endpoint]
+    python -m local_endpoint.launcher start [--instances 2] [--port 8090]
+        [--name stateful-llava] [--run-dir .run/endpoint] [--part-bytes 0] [--timeout 180]
+    python -m local_endpoint.launcher stop|status [--run-dir .run/endpoint]
 
 ``start`` returns once every instance has a READY worker and the endpoint answers ``/ping``;
 the instances (``<run-dir>/instance-<i>``, free loopback ports) and the endpoint process keep
 running in the background until ``stop``. The endpoint process supervises the instances: one
-whose worker dies is restarted whole (scripts/supervisor.py), its sessions lost. LLAVA_*
+whose worker dies is restarted whole (serving/supervisor.py), its sessions lost. LLAVA_*
 variables in the environment reach the instances (e.g.
 ``LLAVA_INTAKE='{"allow": ["127.0.0.1"]}'`` for images served on loopback).
 """
@@ -28,11 +28,10 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from local_endpoint.router import answers_ping
+from serving.torchserve import TorchServeError, TorchServeInstance, tail
 
-from local_endpoint.router import answers_ping  # noqa: E402
-from scripts.torchserve_ctl import TorchServeError, TorchServeInstance, _tail  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 STATE = "endpoint.json"
 
@@ -78,7 +77,7 @@ class LocalEndpoint:
         return instances
 
     def _spawn_server(self, instances: list[TorchServeInstance], timeout: float) -> None:
-        supervised = [  # the endpoint restarts an instance whose worker died (supervisor.py)
+        supervised = [  # the endpoint restarts an instance whose worker dies (serving/supervisor)
             f"--instance=instance-{i}={ts.root}:{ts.inference_port}:{ts.management_port}:"
             f"{ts.metrics_port}"
             for i, ts in enumerate(instances)
@@ -97,7 +96,7 @@ class LocalEndpoint:
         deadline = time.monotonic() + timeout
         while not answers_ping(self.url):
             if server.poll() is not None or time.monotonic() > deadline:
-                raise TorchServeError(f"the endpoint did not come up:\n{_tail(self.log, 20)}")
+                raise TorchServeError(f"the endpoint did not come up:\n{tail(self.log, 20)}")
             time.sleep(0.1)
 
     def server_pid(self) -> int | None:
@@ -125,7 +124,11 @@ class LocalEndpoint:
 
 
 def _check_port_free(port: int) -> None:
+    # SO_REUSEADDR as the server itself binds (http.server does): a port whose last server
+    # just stopped, its sockets in TIME_WAIT, is free for it, and `make stop && make endpoint`
+    # must not wait a minute for them to expire.
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

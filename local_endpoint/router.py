@@ -4,7 +4,7 @@ A new session goes to the live instance holding the fewest sessions; later calls
 their session lives. An instance that stops answering takes its sessions with it (their ids
 become unknown, as they would on SageMaker once an instance is replaced); it gets no new
 sessions until a ``/ping`` answers again. A supervised instance (``ready`` given: its
-supervisor's answer, scripts/supervisor.py) is asked that instead of ``/ping``, which
+supervisor's answer, serving/supervisor.py) is asked that instead of ``/ping``, which
 TorchServe answers while its worker reloads.
 """
 

@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.memory import MemoryBudget, Tier
+from llava.model import load_model
+from llava.synthetic import held_out_samples
 
-from llava.config import EngineConfig  # noqa: E402
-from llava.engine import Engine  # noqa: E402
-from llava.memory import MemoryBudget, Tier  # noqa: E402
-from llava.model import load_model  # noqa: E402
-from llava.synthetic import held_out_samples  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
 

@@ -19,7 +19,6 @@ import base64
 import io
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,14 +26,13 @@ from pathlib import Path
 import boto3
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from llava.synthetic import held_out_samples
+from llava_client import LlavaClient
+from local_endpoint.launcher import LocalEndpoint
+from scripts.demo import QUESTIONS
+from serving.torchserve import free_ports
 
-from llava.synthetic import held_out_samples  # noqa: E402
-from llava_client import LlavaClient  # noqa: E402
-from scripts.demo import QUESTIONS  # noqa: E402
-from scripts.endpoint_ctl import LocalEndpoint  # noqa: E402
-from scripts.torchserve_ctl import free_ports  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 NAME = "stateful-llava"

@@ -1,4 +1,4 @@
-"""What the container's front (docker/front.py) adds per turn: the same session's turns sent
+"""What the container's front (serving/front.py) adds per turn: the same session's turns sent
 through the front and straight to TorchServe's internal inference port, alternating.
 
 Runs docker/entrypoint.sh serve on loopback with free ports and the demo model's .mar
@@ -18,10 +18,9 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from serving.torchserve import free_ports
 
-from scripts.torchserve_ctl import free_ports  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 TURNS = 60

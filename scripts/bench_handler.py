@@ -12,21 +12,19 @@ import base64
 import io
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.synthetic import held_out_samples
+from scripts.demo import QUESTIONS
+from serving.torchserve import TorchServeInstance
 
-from llava.config import EngineConfig  # noqa: E402
-from llava.engine import Engine  # noqa: E402
-from llava.synthetic import held_out_samples  # noqa: E402
-from scripts.demo import QUESTIONS  # noqa: E402
-from scripts.torchserve_ctl import TorchServeInstance  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 

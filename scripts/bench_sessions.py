@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.session import Session
+from llava.store import new_session_id
+from scripts.handler_harness import InProcessWorker
 
-from llava.config import EngineConfig  # noqa: E402
-from llava.engine import Engine  # noqa: E402
-from llava.session import Session  # noqa: E402
-from llava.store import new_session_id  # noqa: E402
-from scripts.handler_harness import InProcessWorker  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 HELD = (10, 100, 1000, 5000)

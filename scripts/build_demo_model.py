@@ -1,6 +1,6 @@
 """Build the offline demo LLaVA (trained) or a realistic-shape LLaVA (untrained) directory.
 
-    python scripts/build_demo_model.py [--out models/demo-llava] [--config demo|realistic]
+    python -m scripts.build_demo_model [--out models/demo-llava] [--config demo|realistic]
                                        [--seed 0]
 
 Everything is made here, nothing is downloaded: a word-level tokenizer (``tokenizers``), a CLIP
@@ -34,7 +34,6 @@ import math
 import multiprocessing
 import random
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +52,7 @@ from transformers import (
 )
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from llava.demo_eval import (  # noqa: E402
+from llava.demo_eval import (
     COLOR_FOLLOW_UP,
     COLOR_QUESTION,
     DONT_KNOW,
@@ -69,9 +66,9 @@ from llava.demo_eval import (  # noqa: E402
     evaluate_families,
     print_table,
 )
-from llava.imageprep import PAD, pad_to_square, prepare_image  # noqa: E402
-from llava.model import load_model  # noqa: E402
-from llava.synthetic import (  # noqa: E402
+from llava.imageprep import PAD, pad_to_square, prepare_image
+from llava.model import load_model
+from llava.synthetic import (
     COLORS,
     FAMILIES,
     HELD_OUT_SEED_START,

@@ -17,7 +17,7 @@
 4. The CPU flavour of the Dockerfile is built (IMAGE), then tests/test_container_image.py runs
    it the way SageMaker does (``docker run IMAGE serve``, the model under /opt/ml/model).
 
-    python scripts/container_tier.py [--flavour cpu|cuda] [--build-only] [--run-dir DIR]
+    python -m scripts.container_tier [--flavour cpu|cuda] [--build-only] [--run-dir DIR]
                                      [pytest args ...]
 
 Each step prints its time; logs go to .run/container-tier/. docs/design.md §Container tier.

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import requests
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from llava.synthetic import held_out_samples
+from serving.torchserve import TorchServeInstance
 
-from llava.synthetic import held_out_samples  # noqa: E402
-from scripts.torchserve_ctl import TorchServeInstance  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 QUESTIONS = [

@@ -1,6 +1,6 @@
 """make gpu-check: the CUDA tests, then the engine's numbers on the true llava-1.5-7b shape.
 
-    python scripts/gpu_check.py [--skip-tests] [--sessions 8 32 64] [--new-tokens 64]
+    python -m scripts.gpu_check [--skip-tests] [--sessions 8 32 64] [--new-tokens 64]
 
 Without CUDA it says so in one line and exits 0. With CUDA:
 
@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 FIXTURE = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
 QUESTIONS = ["What is in the picture?", "Describe it in more detail.", "And the colours?"]
@@ -51,9 +50,9 @@ def main() -> int:
     failed = 0
     if not args.skip_tests:
         failed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu"]).returncode
-    attention = [sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--dtype",
+    attention = [sys.executable, "-m", "scripts.bench_attention", "--dtype",
                  "bfloat16", "--heads", "32", "--kv-heads", "32", "--head-dim", "128"]  # fmt: skip
-    subprocess.run(attention, check=True)
+    subprocess.run(attention, check=True, cwd=REPO)
     with torch.inference_mode():
         engine_table(args.sessions, args.new_tokens)
     return failed

@@ -8,7 +8,7 @@ public port:
 - ``GET /ping``: 200 only while ``ready()`` says a worker is READY, else 503.
 - anything else (``POST /invocations`` above all) is forwarded to TorchServe's inference API
   unchanged, but only while ``ready()``: otherwise a 503 ``NOT_READY`` JSON error at once (a
-  request reaching a reloading async worker would crash-loop it: scripts/supervisor.py).
+  request reaching a reloading async worker would crash-loop it: serving/supervisor.py).
   A streamed reply (JSON lines) is relayed chunk by chunk as it arrives, so ``"stream": true``
   still streams through the front; any other reply is read whole and sent with a
   ``Content-Length`` (the async worker sends every 200 as a chunked body: handlers/service.py,

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from scripts.torchserve_ctl import TorchServeError, TorchServeInstance, _alive
+from serving.torchserve import TorchServeError, TorchServeInstance, alive
 
 POLL_S = 0.2
 
@@ -47,7 +47,7 @@ class Supervisor:
 
     def ready(self) -> bool:
         pid = self._pid
-        return pid is not None and _alive(pid)
+        return pid is not None and alive(pid)
 
     def start(self) -> int:
         """Start the instance and wait for its READY worker; return the worker's pid."""

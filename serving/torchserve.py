@@ -7,7 +7,7 @@ extracted archives. So an instance owns a directory (``tmp/`` as TMPDIR/TEMP, ``
 ``torchserve.out``) and its ports, and ``start`` returns only once the management API reports
 a READY worker that is a child of this instance's Java process.
 
-    python scripts/torchserve_ctl.py start|stop|status [--instance-dir .run/llava]
+    python -m serving.torchserve start|stop|status [--instance-dir .run/llava]
         [--inference-port 8080 --management-port 8081 --metrics-port 8082] [--timeout 180]
 
 Ports reach TorchServe as TS_*_ADDRESS environment variables (config.properties sets
@@ -109,7 +109,7 @@ class TorchServeInstance:
         for d in (self.tmp_dir, self.log_dir):  # a killed instance leaves extracted archives
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
-        # Appended: a supervisor's restart (scripts/supervisor.py) keeps one console log.
+        # Appended: a supervisor's restart (serving/supervisor.py) keeps one console log.
         with open(self.root / "torchserve.out", "ab") as out:
             launched = subprocess.run(
                 [
@@ -156,11 +156,11 @@ class TorchServeInstance:
             workers = self.workers()
             if (pid := _ready_pid(workers, java)) is not None:
                 return pid
-            if bad_setting := SETTINGS_ERROR.search(_tail(self.log_dir / "model_log.log", 200)):
+            if bad_setting := SETTINGS_ERROR.search(tail(self.log_dir / "model_log.log", 200)):
                 raise self._failure(bad_setting.group(1))
             worker_pids.update(w["pid"] for w in workers if w["pid"] > 0)
             # Async mode retries a failed load only after 10 minutes, sync mode for ever.
-            if any(not _alive(pid) for pid in worker_pids):
+            if any(not alive(pid) for pid in worker_pids):
                 raise self._failure("worker crash loop: the worker died loading the model")
             if time.monotonic() > deadline:
                 raise self._failure(f"no READY worker after {timeout:.0f} s")
@@ -239,7 +239,7 @@ class TorchServeInstance:
 
     def _failure(self, reason: str) -> TorchServeError:
         logs = ((self.root / "torchserve.out", 30), (self.log_dir / "model_log.log", 50))
-        tails = "".join(f"\n--- {path} (last {n} lines) ---\n{_tail(path, n)}" for path, n in logs)
+        tails = "".join(f"\n--- {path} (last {n} lines) ---\n{tail(path, n)}" for path, n in logs)
         return TorchServeError(f"{reason}{tails}")
 
 
@@ -250,7 +250,7 @@ def _ready_pid(workers: list[dict], java: int | None) -> int | None:
         try:
             if w["status"] != "READY" or not java:
                 continue
-            if psutil.Process(w["pid"]).ppid() == java and _alive(w["pid"]):
+            if psutil.Process(w["pid"]).ppid() == java and alive(w["pid"]):
                 return w["pid"]
         except psutil.Error:
             pass
@@ -263,10 +263,10 @@ def _dead_started_worker(ts: TorchServeInstance) -> int | None:
         pid = int(ts.started_worker_file.read_text())
     except (OSError, ValueError):
         return None
-    return pid if ts.java_pid() is not None and not _alive(pid) else None
+    return pid if ts.java_pid() is not None and not alive(pid) else None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -280,7 +280,7 @@ def _children(proc: psutil.Process) -> list[psutil.Process]:
         return []
 
 
-def _tail(path: Path, lines: int) -> str:
+def tail(path: Path, lines: int) -> str:
     try:
         with open(path, errors="replace") as f:
             return "".join(collections.deque(f, maxlen=lines))

@@ -19,7 +19,7 @@ from llava_client.errors import LlavaError, SessionGone, from_client_error
 from llava_client.images import image_source
 from llava_client.jsonlines import JsonLines
 from local_endpoint import eventstream
-from scripts.torchserve_ctl import free_ports
+from serving.torchserve import free_ports
 from tests.endpoint_helpers import DUMMY_CREDENTIALS
 
 

@@ -1,16 +1,12 @@
-"""docker/emf.py: TorchServe's Prometheus text → CloudWatch EMF lines, on change and at the
+"""serving/emf.py: TorchServe's Prometheus text → CloudWatch EMF lines, on change and at the
 interval, with a fake clock and scripted scrapes (the real endpoint and the real container's
 stdout are in tests/test_container_image.py, the container tier)."""
 
 from __future__ import annotations
 
 import json
-import sys
 
-from tests.conftest import REPO
-
-sys.path.insert(0, str(REPO / "docker"))
-from emf import EmfReporter, parse_prometheus  # noqa: E402
+from serving.emf import EmfReporter, parse_prometheus
 
 # What TorchServe 0.12's metrics endpoint printed for the handler's metrics (container run).
 SCRAPE = """\

@@ -23,8 +23,8 @@ import psutil
 import pytest
 import requests
 
-from scripts.make_mar import build_mar
-from scripts.torchserve_ctl import free_ports
+from serving.mar import build_mar
+from serving.torchserve import free_ports
 from tests.conftest import DEMO_MODEL_DIR, REPO
 from tests.container_helpers import FrontClient
 

@@ -1,4 +1,4 @@
-"""docker/front.py against a real upstream HTTP server on loopback: /ping follows readiness,
+"""serving/front.py against a real upstream HTTP server on loopback: /ping follows readiness,
 requests pass through unchanged, and a streamed reply leaves the front chunk by chunk.
 (The front in front of a real TorchServe: tests/test_container_entrypoint.py.)
 """
@@ -9,18 +9,14 @@ import contextlib
 import http.client
 import json
 import socket
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
 
-from scripts.torchserve_ctl import free_ports
-from tests.conftest import REPO
-
-sys.path.insert(0, str(REPO / "docker"))
-from front import Front  # noqa: E402
+from serving.front import Front
+from serving.torchserve import free_ports
 
 WAIT_S = 20
 
@@ -134,7 +130,7 @@ def test_ping_follows_readiness(front, readiness):
 def test_requests_while_not_ready_get_a_json_503_and_never_reach_the_upstream(
     front, upstream, readiness
 ):
-    """A request reaching a reloading async worker would crash-loop it (scripts/supervisor.py)."""
+    """A request reaching a reloading async worker would crash-loop it (serving/supervisor.py)."""
     readiness["ready"] = False
     for body in (b"{}", b'{"requestType": "NEW_SESSION"}'):
         reply = requests.post(f"{front}/invocations", data=body, timeout=WAIT_S)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.make_mar import build_mar
-from scripts.torchserve_ctl import free_ports
+from serving.mar import build_mar
+from serving.torchserve import free_ports
 from tests.conftest import DEMO_MODEL_DIR, REPO
 from tests.container_helpers import FrontClient
 from tests.intake_servers import image_bytes
@@ -39,7 +39,7 @@ pytestmark = [
 MAR = REPO / "model-store" / "llava.mar"
 START_S = 240  # bound on start to READY (2 shared cores), and on a restart after a kill
 IN_IMAGE = "/opt/ml/model"
-NAMESPACE = "StatefulLlava"  # docker/emf.py's default
+NAMESPACE = "StatefulLlava"  # serving/emf.py's default
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -61,7 +61,8 @@ def lay_out(model_dir: Path, kind: str) -> Path:
         shutil.copytree(DEMO_MODEL_DIR, model_dir / "weights")
         docker(
             "run", "--rm", "--network", "none", "-v", f"{model_dir}:{IN_IMAGE}", IMAGE,
-            "python", "scripts/make_mar.py", "--model-dir", f"{IN_IMAGE}/weights",
+            "python", "-m", "serving.mar", "--config", "model-config.yaml",
+            "--model-dir", f"{IN_IMAGE}/weights",
             "--weights", "reference", "--export-path", IN_IMAGE,
         )  # fmt: skip
     return model_dir
@@ -173,7 +174,7 @@ def test_serves_each_layout_then_docker_stop_exits_0(tmp_path, layout, sample):
 
 
 def test_session_metrics_are_emf_lines_on_stdout(tmp_path, sample):
-    """CloudWatch Logs makes metrics of these lines (docker/emf.py): each line is a valid EMF
+    """CloudWatch Logs makes metrics of these lines (serving/emf.py): each line is a valid EMF
     document, the counters (increases) add up to what happened, the gauges follow, and with
     nothing happening the lines still come at the interval."""
     with Container(lay_out(tmp_path / "model", "mar"), SERVE_METRICS_INTERVAL_S="2") as container:

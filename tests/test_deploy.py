@@ -16,7 +16,7 @@ from moto.core.responses import ActionResult
 from moto.sagemaker.responses import SageMakerResponse
 from moto.server import ThreadedMotoServer
 
-from scripts.torchserve_ctl import free_ports
+from serving.torchserve import free_ports
 
 IMAGE = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/stateful-llava:v1"
 ROLE = "arn:aws:iam::123456789012:role/sagemaker"

@@ -16,7 +16,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from llava_client import LlavaClient, LlavaError, SessionGone
-from scripts.torchserve_ctl import TorchServeInstance
+from serving.torchserve import TorchServeInstance
 from tests.endpoint_helpers import ENDPOINT, ShapeImages, runtime, start_endpoint
 
 pytestmark = pytest.mark.torchserve
@@ -209,7 +209,7 @@ def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, c
     A. instance-0 dies altogether: the endpoint forgets its sessions (ValidationError);
        instance-1's sessions go on as if nothing happened.
     B. then instance-1's worker dies: the endpoint's supervisor restarts the instance empty
-       (scripts/supervisor.py), so ids reach a container that does not know them: ModelError
+       (serving/supervisor.py), so ids reach a container that does not know them: ModelError
        with the container's 400 SESSION_NOT_FOUND.
     """
     truths = [images.samples[i % 3] for i in range(4)]

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from scripts.make_mar import main
-from tests.conftest import REPO
+from serving.mar import main
 from tests.test_makefile import dry_run
 
 
 def make_mar(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO / "scripts" / "make_mar.py"), *args]
+    command = [sys.executable, "-m", "serving.mar", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
@@ -92,8 +91,8 @@ def test_without_a_remembered_choice_the_demo_model_goes_inside(tmp_path):
 
 def test_make_serve_archives_the_remembered_model_and_test_the_demo_model():
     def archive_command(target: str) -> str:
-        return next(line for line in dry_run(target) if "make_mar.py" in line)
+        return next(line for line in dry_run(target) if "serving.mar" in line)
 
-    assert archive_command("serve").split("make_mar.py", 1)[1].split() == ["--remember"]
+    assert archive_command("serve").split("serving.mar", 1)[1].split() == ["--remember"]
     assert archive_command("test").endswith("--model-dir models/demo-llava --weights inside")
     assert "--remember" not in archive_command("test")

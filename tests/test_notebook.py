@@ -13,7 +13,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from scripts.run_notebook import NOTEBOOK, REPO, TTFT_PLOT, execute, problems, summary
-from scripts.torchserve_ctl import free_ports
+from serving.torchserve import free_ports
 
 pytestmark = pytest.mark.torchserve
 

@@ -12,7 +12,6 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,14 +20,12 @@ import pytest
 import requests
 import yaml
 
-from scripts.make_mar import build_mar
-from scripts.torchserve_ctl import TorchServeInstance
+from serving.front import Front
+from serving.mar import build_mar
+from serving.torchserve import TorchServeInstance
 from tests.conftest import DEMO_MODEL_DIR, REPO, recognized_samples
 from tests.intake_servers import LoopbackServer, image_bytes, respond
 from tests.test_torchserve_handler import LOOPBACK_IMAGES, SESSION, ask, invoke, open_session
-
-sys.path.insert(0, str(REPO / "docker"))
-from front import Front  # noqa: E402
 
 pytestmark = pytest.mark.torchserve
 RESPONSE_TIMEOUT_S = 1

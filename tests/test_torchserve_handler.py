@@ -21,10 +21,10 @@ import pytest
 import requests
 
 from llava.synthetic import held_out_samples
-from scripts import torchserve_ctl
-from scripts.make_mar import build_mar
-from scripts.supervisor import Supervisor
-from scripts.torchserve_ctl import TorchServeInstance
+from serving import torchserve
+from serving.mar import build_mar
+from serving.supervisor import Supervisor
+from serving.torchserve import TorchServeInstance
 from tests.conftest import DEMO_MODEL_DIR, REPO
 from tests.intake_servers import LoopbackServer, image_bytes, respond
 
@@ -326,7 +326,7 @@ def test_an_expired_session_gets_400_expired(short_ttl_server, images):
 
 def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images, capsys):
     """TorchServe 0.12 never makes a restarted async worker READY again (`status` says the
-    worker died), so the supervisor restarts the whole instance (scripts/supervisor.py): same
+    worker died), so the supervisor restarts the whole instance (serving/supervisor.py): same
     ports, sessions gone (a clean 400), new sessions served."""
     url, truth = images["b"]
     session_id = open_session(short_ttl_server, url)
@@ -336,7 +336,7 @@ def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images, ca
     killed_at = time.monotonic()
     os.kill(old, signal.SIGKILL)
     wait_until(lambda: not supervisor.ready(), timeout=10, what="the kill seen")
-    status = torchserve_ctl.main(
+    status = torchserve.main(
         ["status", "--instance-dir", str(short_ttl_server.root), "--model-store", str(MAR.parent)]
         + ["--management-port", str(short_ttl_server.management_port)]
     )

@@ -13,8 +13,8 @@ import psutil
 import pytest
 import requests
 
-from scripts.make_mar import build_mar
-from scripts.torchserve_ctl import TorchServeError, TorchServeInstance
+from serving.mar import build_mar
+from serving.torchserve import TorchServeError, TorchServeInstance
 
 pytestmark = pytest.mark.torchserve
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.make_mar import build_mar
-from scripts.torchserve_ctl import TorchServeInstance, free_ports
+from serving.mar import build_mar
+from serving.torchserve import TorchServeInstance, free_ports
 from tests.conftest import DEMO_MODEL_DIR, REPO
 
 pytestmark = pytest.mark.torchserve
@@ -31,7 +31,7 @@ def demo_store() -> Path:
 def serve(instance_dir: Path, model_store: Path, **env: str) -> subprocess.CompletedProcess:
     """What ``make serve`` runs, on free ports, with ``env`` added to the environment."""
     inference, management, metrics = free_ports(3)
-    command = [sys.executable, str(REPO / "scripts" / "torchserve_ctl.py"), "start"]
+    command = [sys.executable, "-m", "serving.torchserve", "start"]
     command += ["--instance-dir", str(instance_dir), "--model-store", str(model_store)]
     command += ["--inference-port", str(inference), "--management-port", str(management)]
     command += ["--metrics-port", str(metrics), "--timeout", "120"]
