@@ -88,7 +88,7 @@ gpu-check: setup
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup
-	$(PY) -m scripts.build_demo_model --out $(or $(MODEL_DIR),$(DEMO_MODEL_DIR))
+	$(PY) -m demo_model.build --out $(or $(MODEL_DIR),$(DEMO_MODEL_DIR))
 
 # Always rebuilt (seconds for the demo model or a reference): a stale .mar is worse than a
 # rebuild. Refuses a missing or empty MODEL_DIR at once.

@@ -1,6 +1,6 @@
 """Build the offline demo LLaVA (trained) or a realistic-shape LLaVA (untrained) directory.
 
-    python -m scripts.build_demo_model [--out models/demo-llava] [--config demo|realistic]
+    python -m demo_model.build [--out models/demo-llava] [--config demo|realistic]
                                        [--seed 0]
 
 Everything is made here, nothing is downloaded: a word-level tokenizer (``tokenizers``), a CLIP
@@ -9,11 +9,11 @@ image processor, a ``LlavaProcessor`` with the llava-1.5 chat template, and a
 The directory loads with ``AutoProcessor.from_pretrained`` and
 ``LlavaForConditionalGeneration.from_pretrained``, the calls that load ``llava-hf/llava-1.5-7b-hf``.
 
-``demo`` trains a 0.5 M-parameter model on synthetic shapes (``llava.synthetic``, training seeds
-0..19_999, every family) to answer "What color is the shape?", "What shape is it?",
+``demo`` trains a 0.5 M-parameter model on synthetic shapes (``demo_model.synthetic``,
+training seeds 0..19_999, every family) to answer "What color is the shape?", "What shape is it?",
 "And its color?", "And its shape?" and "Say that again." in multi-turn chats, and "I don't
 know" to anything else, on token sequences built exactly as the engine builds them
-(``llava.demo_eval.DialogueTokens``), then reports held-out accuracy per image family. Its
+(``demo_model.evaluation.DialogueTokens``), then reports held-out accuracy per image family. Its
 ``config.json`` asks for pad-to-square (``"image_aspect_ratio": "pad"``, ``llava.imageprep``).
 ``realistic`` writes an untrained model with LLaVA-1.5's image geometry (336 px, patch 14,
 576 image tokens) and an LM big enough that prefill dominates on CPU, for benchmarks.
@@ -52,7 +52,7 @@ from transformers import (
 )
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-from llava.demo_eval import (
+from demo_model.evaluation import (
     COLOR_FOLLOW_UP,
     COLOR_QUESTION,
     DONT_KNOW,
@@ -66,9 +66,7 @@ from llava.demo_eval import (
     evaluate_families,
     print_table,
 )
-from llava.imageprep import PAD, pad_to_square, prepare_image
-from llava.model import load_model
-from llava.synthetic import (
+from demo_model.synthetic import (
     COLORS,
     FAMILIES,
     HELD_OUT_SEED_START,
@@ -78,6 +76,8 @@ from llava.synthetic import (
     held_out_samples,
     sample_and_mask_from_seed,
 )
+from llava.imageprep import PAD, pad_to_square, prepare_image
+from llava.model import load_model
 
 SPECIAL_TOKENS = ("<unk>", "<pad>", "<s>", "</s>", "<image>")
 UNK_ID, PAD_ID, BOS_ID, EOS_ID, IMAGE_ID = range(len(SPECIAL_TOKENS))

@@ -2,7 +2,7 @@
 
 Evaluation (here, and ``tests/test_demo_model.py``) runs through :class:`llava.engine.Engine`,
 one session per dialogue, greedy: what is scored is exactly what a served session answers.
-Training (``scripts/build_demo_model.py``) builds conversations with :class:`DialogueTokens`
+Training (``demo_model/build.py``) builds conversations with :class:`DialogueTokens`
 from the canonical prompt ids (:class:`llava.prompt.ChatPrompt`): the whole conversation
 rendered by the chat template and tokenized at once, answers without an end token inside the
 history, EOS as the target after an answer's last id.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from demo_model.synthetic import FAMILIES, HELD_OUT_SEED_START, ShapeSample, held_out_samples
 from llava.prompt import ChatPrompt, assistant_message, user_message
-from llava.synthetic import FAMILIES, HELD_OUT_SEED_START, ShapeSample, held_out_samples
 
 COLOR_QUESTION = "What color is the shape?"
 SHAPE_QUESTION = "What shape is it?"

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import MemoryBudget, Tier
 from llava.model import load_model
-from llava.synthetic import held_out_samples
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,9 +50,8 @@ class Run:
 
 def ensure_model(model_dir: Path) -> None:
     if not (model_dir / "config.json").exists():
-        builder = REPO / "scripts" / "build_demo_model.py"
-        cmd = [sys.executable, str(builder), "--config", "realistic", "--out", str(model_dir)]
-        subprocess.run(cmd, check=True)
+        cmd = [sys.executable, "-m", "demo_model.build", "--config", "realistic"]
+        subprocess.run([*cmd, "--out", str(model_dir)], check=True, cwd=REPO)
 
 
 def sessions_at_once(engine: Engine, images, turns: int, new_tokens: int) -> Run:

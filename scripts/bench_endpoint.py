@@ -26,7 +26,7 @@ from pathlib import Path
 import boto3
 import requests
 
-from llava.synthetic import held_out_samples
+from demo_model.synthetic import held_out_samples
 from llava_client import LlavaClient
 from local_endpoint.launcher import LocalEndpoint
 from scripts.demo import QUESTIONS

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import requests
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.synthetic import held_out_samples
 from scripts.demo import QUESTIONS
 from serving.torchserve import TorchServeInstance
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.kv_pool import BLOCK_TOKENS, kv_bytes_per_token
@@ -30,7 +31,6 @@ from llava.memory import (
     session_kv_bytes,
 )
 from llava.model import load_model
-from llava.synthetic import held_out_samples
 from scripts.bench_turns import ensure_model
 
 REPO = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import requests
 
-from llava.synthetic import held_out_samples
+from demo_model.synthetic import held_out_samples
 from serving.torchserve import TorchServeInstance
 
 REPO = Path(__file__).resolve().parent.parent

@@ -87,10 +87,10 @@ def random_7b():
 
 
 def engine_table(sessions: list[int], new_tokens: int) -> None:
+    from demo_model.synthetic import held_out_samples
     from llava.config import EngineConfig
     from llava.engine import Engine, memory_budget
     from llava.memory import Tier
-    from llava.synthetic import held_out_samples
     from scripts.bench_concurrency import sessions_at_once
 
     start = time.perf_counter()

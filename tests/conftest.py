@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import MemoryBudget
-from llava.synthetic import held_out_samples
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL_DIR = REPO / "models" / "demo-llava"

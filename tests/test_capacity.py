@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from demo_model.synthetic import held_out_samples
 from llava.capacity import (
     INSTANCES,
     Workload,
@@ -22,7 +23,6 @@ from llava.capacity import (
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import MemoryBudget, Tier
-from llava.synthetic import held_out_samples
 from tests.conftest import DEMO_MODEL_DIR, REPO
 
 LLAVA_15 = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"

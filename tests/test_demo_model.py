@@ -1,6 +1,6 @@
 """The committed demo model: small, loadable like llava-hf, and right on images it never saw.
 
-Accuracy is measured through the engine itself (``llava.demo_eval.evaluate``): the model dir
+Accuracy is measured through the engine itself (``demo_model.evaluation.evaluate``): the model dir
 loaded through ``llava.model.load_model``, one session per dialogue, greedy decoding. Two
 image sources: held-out seeds of the training generator (every family, non-square canvases
 included) and ``tests/plain_shapes.py``, a drawer that shares no code with that generator.
@@ -13,7 +13,7 @@ import random
 import pytest
 from PIL import Image
 
-from llava.demo_eval import (
+from demo_model.evaluation import (
     DONT_KNOW,
     KINDS,
     OFF_TOPIC_QUESTIONS,
@@ -22,8 +22,7 @@ from llava.demo_eval import (
     declined,
     evaluate,
 )
-from llava.prompt import user_message
-from llava.synthetic import (
+from demo_model.synthetic import (
     COLORS,
     FAMILIES,
     HELD_OUT_SEED_START,
@@ -35,6 +34,7 @@ from llava.synthetic import (
     held_out_samples,
     sample_from_seed,
 )
+from llava.prompt import user_message
 from tests.conftest import DEMO_MODEL_DIR
 from tests.plain_shapes import plain_images
 

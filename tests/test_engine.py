@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import InvalidRequest, SessionNotFound
 from llava.memory import MemoryBudget
 from llava.session import Tier
-from llava.synthetic import held_out_samples
 from tests.conftest import recognized_samples
 from tests.memory_helpers import FakeClock
 

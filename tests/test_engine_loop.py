@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import MemoryBudget
 from llava.session import Tier
-from llava.synthetic import held_out_samples
 from tests.test_reaper import wait_until
 
 QUESTIONS = [

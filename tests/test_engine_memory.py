@@ -10,11 +10,11 @@ import threading
 
 import pytest
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import Busy, NoCapacity, SessionNotFound
 from llava.memory import MemoryBudget, Tier
-from llava.synthetic import held_out_samples
 
 SHORT = {"max_new_tokens": 4}
 

@@ -7,11 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import Tier
 from llava.model import assigned_device
-from llava.synthetic import held_out_samples
 from tests.conftest import DEMO_MODEL_DIR
 from tests.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from demo_model.synthetic import held_out_samples
 from llava.decoding import Chooser
 from llava.generation import GenerationParams
 from llava.graphs import BUCKETS, StaticDecode, bucket_for
 from llava.runner import Runner, StepInput
 from llava.sampling import Sampler
-from llava.synthetic import held_out_samples
 from tests.test_runner import QUESTIONS, tiny_llava
 
 EOS = frozenset({2})

@@ -7,10 +7,10 @@ import base64
 
 import pytest
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import MemoryBudget
-from llava.synthetic import held_out_samples
 from scripts.handler_harness import InProcessWorker
 from tests.intake_servers import image_bytes
 

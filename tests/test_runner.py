@@ -18,12 +18,12 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, DynamicCache, LlavaConfig, LlavaForConditionalGeneration
 
+from demo_model.evaluation import QUESTIONS
+from demo_model.synthetic import held_out_samples
 from llava.decoding import prefill
-from llava.demo_eval import QUESTIONS
 from llava.kv_pool import KVPool
 from llava.prompt import ChatPrompt, user_message
 from llava.runner import Runner, StepInput
-from llava.synthetic import held_out_samples
 
 LLAVA_15 = Path(__file__).resolve().parent / "fixtures" / "llava-1.5-7b-hf"
 TINY_IMAGE_PX = 56  # 16 image tokens of 14 px patches

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from llava.synthetic import held_out_samples
+from demo_model.synthetic import held_out_samples
 from serving import torchserve
 from serving.mar import build_mar
 from serving.supervisor import Supervisor
