@@ -19,9 +19,6 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 from handlers.errors import error_response
 from handlers.metrics import SessionMetrics
 from handlers.protocol import (
-    CLOSED_SESSION_HEADER,
-    NEW_SESSION_HEADER,
-    SESSION_HEADER,
     AskSession,
     CancelTurn,
     CloseSession,
@@ -35,6 +32,7 @@ from llava.engine import Answer, Engine
 from llava.intake import IntakePolicy, load_image
 from llava.model import assigned_device
 from llava.reaper import Reaper
+from llava_wire import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 
 logger = logging.getLogger(__name__)
 JSON = "application/json"

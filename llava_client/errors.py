@@ -12,10 +12,7 @@ import json
 
 from botocore.exceptions import ClientError
 
-# The container's codes for a session that no longer exists (closed, expired, evicted, lost).
-SESSION_GONE_CODES = frozenset(
-    {"SESSION_NOT_FOUND", "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED"}
-)
+from llava_wire import SESSION_GONE_CODES
 
 
 class LlavaError(Exception):

@@ -29,14 +29,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
 from llava_client.limits import MAX_REQUEST_BYTES
+from llava_wire import (
+    CANCEL_TURN,
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+)
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Router
 
-SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
-NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
-CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 INSTANCE_HEADER = "X-Local-Endpoint-Instance"
-NEW_SESSION = "NEW_SESSION"
 SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")  # botocore's SessionId pattern
 FORWARDED = ("Content-Type", "Accept", "X-Amzn-SageMaker-Custom-Attributes", SESSION_HEADER)
 MAX_BODY_BYTES = MAX_REQUEST_BYTES  # SageMaker's cap, the one the client checks too
@@ -248,7 +251,7 @@ class _Handler(BaseHTTPRequestHandler):
         """TorchServe never tells its worker that the caller left: say it, so the session's
         turn stops at its next step (handlers/turns.py)."""
         try:
-            with self._forward(backend, json.dumps({"requestType": "CANCEL_TURN"}).encode()) as r:
+            with self._forward(backend, json.dumps({"requestType": CANCEL_TURN}).encode()) as r:
                 r.read()
         except BackendDown:
             pass  # the instance is gone, and its turn with it

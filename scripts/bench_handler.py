@@ -21,12 +21,11 @@ import requests
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava_wire import NEW_SESSION, SESSION, SESSION_HEADER
 from scripts.demo import QUESTIONS
 from serving.torchserve import TorchServeInstance
 
 REPO = Path(__file__).resolve().parent.parent
-
-SESSION = "X-Amzn-SageMaker-Session-Id"
 
 
 def through_torchserve(image_b64: str, turns: int) -> tuple[list[float], list[float], float]:
@@ -39,13 +38,13 @@ def through_torchserve(image_b64: str, turns: int) -> tuple[list[float], list[fl
     try:
         opened = post(
             url,
-            data=json.dumps({"requestType": "NEW_SESSION", "image": {"b64": image_b64}}),
+            data=json.dumps({"requestType": NEW_SESSION, "image": {"b64": image_b64}}),
             timeout=60,
         )
-        session = {SESSION: opened.json()["sessionId"], "Content-Type": "application/json"}
+        session = {SESSION_HEADER: opened.json()["sessionId"], "Content-Type": "application/json"}
         round_trips, engine = [], []
         for turn in range(turns):
-            body = {"requestType": "SESSION", "inputs": QUESTIONS[turn % len(QUESTIONS)][0]}
+            body = {"requestType": SESSION, "inputs": QUESTIONS[turn % len(QUESTIONS)][0]}
             start = time.perf_counter()
             reply = post(url, data=json.dumps(body), headers=session, timeout=60)
             round_trips.append((time.perf_counter() - start) * 1000)

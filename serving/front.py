@@ -27,6 +27,8 @@ import json
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from llava_wire import CANCEL_TURN, NOT_READY, SESSION_HEADER
+
 # Per-connection headers (RFC 9110 §7.6.1): they describe one hop, so they are not forwarded.
 # Content-Length is set again for the body actually sent; Expect: 100-continue was answered here.
 HOP_BY_HOP = frozenset(
@@ -43,7 +45,6 @@ HOP_BY_HOP = frozenset(
     }
 )
 RELAY_CHUNK = 64 * 1024
-SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
 STREAM_TYPE = "application/jsonlines"
 CANCEL_TIMEOUT_S = 10.0
 
@@ -89,13 +90,13 @@ class _FrontHandler(BaseHTTPRequestHandler):
 
     def _ping(self) -> None:
         ready = self.server.ready()
-        self._reply_json(200 if ready else 503, {"status": "READY" if ready else "NOT_READY"})
+        self._reply_json(200 if ready else 503, {"status": "READY" if ready else NOT_READY})
 
     def _forward(self) -> None:
         body = self._read_body()
         if not self.server.ready():
             message = "the model server is starting or restarting; retry shortly"
-            self._reply_json(503, {"error": {"code": "NOT_READY", "message": message}})
+            self._reply_json(503, {"error": {"code": NOT_READY, "message": message}})
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
         upstream = http.client.HTTPConnection(
@@ -107,7 +108,7 @@ class _FrontHandler(BaseHTTPRequestHandler):
                 reply = upstream.getresponse()
             except OSError as e:  # TorchServe not (yet, or no longer) listening
                 message = f"model server unavailable: {e}"
-                self._reply_json(503, {"error": {"code": "NOT_READY", "message": message}})
+                self._reply_json(503, {"error": {"code": NOT_READY, "message": message}})
                 return
             self._relay(reply)
         finally:
@@ -146,7 +147,7 @@ class _FrontHandler(BaseHTTPRequestHandler):
             upstream.request(
                 "POST",
                 "/invocations",
-                body=json.dumps({"requestType": "CANCEL_TURN"}),
+                body=json.dumps({"requestType": CANCEL_TURN}),
                 headers={"Content-Type": "application/json", SESSION_HEADER: session_id},
             )
             upstream.getresponse().read()

@@ -1,11 +1,11 @@
-"""Build model-store/llava.mar: the handler, the llava/ and handlers/ packages, the model config
-and, with ``--weights inside``, the checkpoint.
+"""Build model-store/llava.mar: the handler, the llava/, handlers/ and llava_wire/ packages, the
+model config and, with ``--weights inside``, the checkpoint.
 
 Layout inside the .mar (TorchServe 0.12 extracts it to $TMPDIR/models/<uuid>/, which becomes
 the worker's cwd and sys.path[0], so ``import llava`` and ``import handlers.x`` just work)::
 
     llava_handler.py      the --handler file, imported as a top-level module
-    llava/  handlers/     the packages, without __pycache__
+    llava/  handlers/  llava_wire/   the packages, without __pycache__
     model-config.yaml     handler.model_dir filled in for the weights mode
     weights/              --weights inside only: the model dir's files
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("llava", "handlers")
+PACKAGES = ("llava", "handlers", "llava_wire")
 WEIGHTS_SUBDIR = "weights"
 DEMO_CHOICE = {"model_dir": str(ROOT / "models" / "demo-llava"), "weights": "inside"}
 
