@@ -1,4 +1,4 @@
-# The public interface: test, test-container, demo, serve, stop, mar, bench, notebook,
+# The public interface: test, test-fast, test-container, demo, serve, stop, mar, bench, notebook,
 # endpoint, image, capacity (names and meaning stay stable).
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +17,7 @@ ENDPOINT_INSTANCES ?= 2
 ENDPOINT_PORT ?= 8090
 ENDPOINT_DIR ?= .run/endpoint
 
-.PHONY: setup test test-container lint demo bench gpu-check build-demo-model mar demo-mar serve \
+.PHONY: setup test test-fast test-container lint demo bench gpu-check build-demo-model mar demo-mar serve \
 	stop endpoint notebook image capacity clean
 
 # CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
@@ -41,9 +41,15 @@ lint: setup
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/shellcheck docker/entrypoint.sh scripts/build_and_push.sh
 
-# The TorchServe tests serve the demo model's .mar (model-store/llava.mar).
+# Every tier: tests/unit, tests/serving (real TorchServe, serving the demo model's .mar,
+# model-store/llava.mar), tests/container (the image's build side; the image itself runs under
+# test-container) and tests/install (fresh venvs from the package index).
 test: setup lint demo-mar
 	$(PY) -m pytest -q
+
+# The developer's loop: the unit tier alone (no TorchServe, no Java, no Docker, no index).
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
 
 # The container tier (.ci/run runs it after `test`): starts a Docker engine if none answers
 # (installing Debian's docker.io if missing), makes the stand-in base image once, builds the

@@ -1,6 +1,6 @@
 """The demo model's dialogues as token ids, and its held-out evaluation.
 
-Evaluation (here, and ``tests/test_demo_model.py``) runs through :class:`llava.engine.Engine`,
+Evaluation (here, and ``tests/unit/test_demo_model.py``) runs through :class:`llava.engine.Engine`,
 one session per dialogue, greedy: what is scored is exactly what a served session answers.
 Training (``demo_model/build.py``) builds conversations with :class:`DialogueTokens`
 from the canonical prompt ids (:class:`llava.prompt.ChatPrompt`): the whole conversation
@@ -30,7 +30,7 @@ DONT_KNOW = "I don't know"  # the honest answer to every other question (one tok
 
 # Questions it is trained to decline. Training also declines the known questions with a word
 # swapped, dropped or added, and words it has no token for (<unk>), so phrasings it never saw
-# get the same answer (tests/test_demo_model.py asks held-out ones).
+# get the same answer (tests/unit/test_demo_model.py asks held-out ones).
 OFF_TOPIC_QUESTIONS = (
     "What color is the background?",
     "What shape is the background?",

@@ -60,7 +60,7 @@ class LocalEndpoint:
     def start(self, timeout: float = 180.0) -> list[TorchServeInstance]:
         if self.server_pid() is not None:
             raise TorchServeError(f"the endpoint already runs from {self.run_dir}: stop it first")
-        _check_port_free(self.port)
+        check_port_free(self.port)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         instances = [
             TorchServeInstance.on_free_ports(self.run_dir / f"instance-{i}", env=self.env)
@@ -123,7 +123,7 @@ class LocalEndpoint:
             TorchServeInstance(instance_dir).stop()  # finds its processes by directory
 
 
-def _check_port_free(port: int) -> None:
+def check_port_free(port: int) -> None:
     # SO_REUSEADDR as the server itself binds (http.server does): a port whose last server
     # just stopped, its sockets in TIME_WAIT, is free for it, and `make stop && make endpoint`
     # must not wait a minute for them to expire.

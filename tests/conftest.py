@@ -25,7 +25,7 @@ def demo_model():
 def recognized_samples(demo_model, n: int, seed: int = 20_000):
     """Held-out images whose colour and shape the model names in a fresh, isolated session.
 
-    The model is ~99 % accurate (tests/test_demo_model.py checks that); these tests are about
+    The model is ~99 % accurate (tests/unit/test_demo_model.py checks that); these tests are about
     what sessions do to answers, so they start from images it is known to get right alone.
     """
     engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))

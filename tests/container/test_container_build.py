@@ -1,5 +1,5 @@
 """The image's build side, without a Docker engine (the container tier builds and runs the
-image itself: tests/test_container_image.py):
+image itself: tests/container/test_container_image.py):
 
 - the files the Dockerfile copies are enough to run the entrypoint (run from a copy of just
   those files, with the image's PYTHONPATH);
@@ -16,6 +16,7 @@ hadolint and shellcheck run in `make lint`.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -52,8 +53,11 @@ def test_image_files_are_enough_to_run_the_entrypoint(tmp_path):
         else:
             shutil.copy(path, target)
     (tmp_path / "model").mkdir()
+    # The image pip-installs the copied packages; here the copy stands in for its
+    # site-packages, ahead of the developer venv's editable install of this checkout.
     env = {
-        **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # none in the image
+        **os.environ,
+        "PYTHONPATH": str(image),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "SERVE_MODEL_DIR": str(tmp_path / "model"),
     }
@@ -67,6 +71,35 @@ def test_image_files_are_enough_to_run_the_entrypoint(tmp_path):
     )
     # Every import resolved inside the copy; it stopped only because the model dir is empty.
     assert run.returncode == 2 and "serve: no model in" in run.stderr, run.stderr
+
+
+def imported_packages(*places: str) -> set[str]:
+    """This repository's top-level packages that the modules under ``places`` import."""
+    ours = {p.parent.name for p in REPO.glob("*/__init__.py")}
+    found = set()
+    for place in places:
+        for path in (REPO / place).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    found.add(node.module.split(".")[0])
+                elif isinstance(node, ast.Import):
+                    found |= {alias.name.split(".")[0] for alias in node.names}
+    return found & ours
+
+
+def test_the_image_installs_every_package_its_entrypoint_imports():
+    """docker/serve.py imports installed packages only (no sys.path edits): each one it, the
+    serving runtime or the handler imports must be copied before the image's pip install."""
+    lines = (REPO / "Dockerfile").read_text().splitlines()
+    install = next(i for i, line in enumerate(lines) if 'pip install ".[' in line)
+    copied = {
+        source
+        for line in lines[:install]
+        if (match := re.match(r"COPY\s+(.+)\s+\S+$", line))
+        for source in match.group(1).split()
+    }
+    needed = imported_packages("docker", "serving", "handlers") | {"serving", "handlers"}
+    assert needed - copied == set()
 
 
 STUB = """#!/bin/sh

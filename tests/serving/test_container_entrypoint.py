@@ -2,8 +2,9 @@
 TorchServe started from a temporary directory laid out as SageMaker lays out /opt/ml/model,
 on 127.0.0.1 and free ports (the SERVE_* overrides), with the demo model.
 
-The image itself is built and run by the container tier (tests/test_container_image.py); these
-tests cover what the entrypoint does inside it, quickly and without Docker.
+The image itself is built and run by the container tier
+(tests/container/test_container_image.py); these tests cover what the entrypoint does inside
+it, quickly and without Docker.
 """
 
 from __future__ import annotations

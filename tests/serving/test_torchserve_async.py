@@ -25,7 +25,13 @@ from serving.mar import build_mar
 from serving.torchserve import TorchServeInstance
 from tests.conftest import DEMO_MODEL_DIR, REPO, recognized_samples
 from tests.intake_servers import LoopbackServer, image_bytes, respond
-from tests.test_torchserve_handler import LOOPBACK_IMAGES, SESSION, ask, invoke, open_session
+from tests.serving.test_torchserve_handler import (
+    LOOPBACK_IMAGES,
+    SESSION,
+    ask,
+    invoke,
+    open_session,
+)
 
 pytestmark = pytest.mark.torchserve
 RESPONSE_TIMEOUT_S = 1

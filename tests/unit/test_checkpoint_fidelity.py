@@ -23,7 +23,7 @@ from llava.memory import MemoryBudget
 from llava.model import load_model
 from llava.prompt import ChatPrompt, assistant_message, user_message
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llava-1.5-7b-hf"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 IMAGE_PX = 56  # 4 x 4 patches of 14 px
 MAX_NEW = 8
 QUESTIONS = [

@@ -1,6 +1,6 @@
 """serving/emf.py: TorchServe's Prometheus text → CloudWatch EMF lines, on change and at the
 interval, with a fake clock and scripted scrapes (the real endpoint and the real container's
-stdout are in tests/test_container_image.py, the container tier)."""
+stdout are in tests/container/test_container_image.py, the container tier)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """serving/front.py against a real upstream HTTP server on loopback: /ping follows readiness,
 requests pass through unchanged, and a streamed reply leaves the front chunk by chunk.
-(The front in front of a real TorchServe: tests/test_container_entrypoint.py.)
+(The front in front of a real TorchServe: tests/serving/test_container_entrypoint.py.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from llava.detokenizer import Detokenizer
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llava-1.5-7b-hf"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 TEXTS = [
     "Hello world, plain ASCII.",
     "Emoji 😀🎉 and a flag 🇫🇷 need byte fallback",

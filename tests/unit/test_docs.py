@@ -53,7 +53,7 @@ def test_every_citation_names_a_section_of_docs_design():
 
 def test_every_test_named_as_proof_exists():
     missing, file = [], None
-    for match in re.finditer(r"`(tests/\w+\.py)?::(\w+)`", DESIGN.read_text()):
+    for match in re.finditer(r"`(tests/[\w/]+\.py)?::(\w+)`", DESIGN.read_text()):
         file = match.group(1) or file  # `::name` continues the file named before it
         if f"def {match.group(2)}(" not in (REPO / file).read_text():
             missing.append(f"{file}::{match.group(2)}")

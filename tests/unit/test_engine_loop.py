@@ -13,7 +13,7 @@ from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import MemoryBudget
 from llava.session import Tier
-from tests.test_reaper import wait_until
+from tests.unit.test_reaper import wait_until
 
 QUESTIONS = [
     "What color is the shape?",

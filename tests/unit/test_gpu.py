@@ -13,7 +13,7 @@ from llava.engine import Engine
 from llava.memory import Tier
 from llava.model import assigned_device
 from tests.conftest import DEMO_MODEL_DIR
-from tests.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
+from tests.unit.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ from llava.generation import GenerationParams
 from llava.graphs import BUCKETS, StaticDecode, bucket_for
 from llava.runner import Runner, StepInput
 from llava.sampling import Sampler
-from tests.test_runner import QUESTIONS, tiny_llava
+from tests.unit.test_runner import QUESTIONS, tiny_llava
 
 EOS = frozenset({2})
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlavaConfig
 
 from llava.kv_pool import KVPool, KVPoolFull
 
-LLAVA_15 = Path(__file__).resolve().parent / "fixtures" / "llava-1.5-7b-hf"
+LLAVA_15 = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 TINY = LlamaConfig(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )  # kv heads 2, head_dim 16

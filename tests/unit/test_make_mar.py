@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from serving.mar import main
-from tests.test_makefile import dry_run
+from tests.unit.test_makefile import dry_run
 
 
 def make_mar(*args: str) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """Where a worker loads: the GPU TorchServe assigned it, weights placed straight there.
 
-CUDA itself is checked in tests/test_gpu.py (skipped without a GPU); here the CPU path and the
+CUDA itself is checked in tests/unit/test_gpu.py (skipped without a GPU); here the CPU path and the
 choice of device, with ``torch.cuda.is_available`` answered both ways.
 """
 

@@ -25,7 +25,7 @@ from llava.kv_pool import KVPool
 from llava.prompt import ChatPrompt, user_message
 from llava.runner import Runner, StepInput
 
-LLAVA_15 = Path(__file__).resolve().parent / "fixtures" / "llava-1.5-7b-hf"
+LLAVA_15 = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 TINY_IMAGE_PX = 56  # 16 image tokens of 14 px patches
 BUDGET = 8 << 20
 
