@@ -30,7 +30,6 @@ from urllib.parse import unquote, urlsplit
 
 from llava_client.limits import MAX_REQUEST_BYTES
 from llava_wire import (
-    CANCEL_TURN,
     CLOSED_SESSION_HEADER,
     NEW_SESSION,
     NEW_SESSION_HEADER,
@@ -38,6 +37,7 @@ from llava_wire import (
 )
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Router
+from serving.relay import CallerGone, cancel_turn, write_chunk
 
 INSTANCE_HEADER = "X-Local-Endpoint-Instance"
 SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")  # botocore's SessionId pattern
@@ -89,10 +89,6 @@ def model_error(status: int, body: bytes) -> Rejected:
 
 class BackendDown(Exception):
     """The instance did not answer at all (connection refused or dropped)."""
-
-
-class ClientGone(Exception):
-    """The caller hung up while its reply was being written."""
 
 
 class EndpointServer(ThreadingHTTPServer):
@@ -238,31 +234,15 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 while chunk := reply.read1(65536):
                     for part in _split(chunk, self.server.part_bytes):
-                        self._write_chunk(eventstream.payload_part(part))
+                        write_chunk(self.wfile, eventstream.payload_part(part))
             except (OSError, http.client.HTTPException) as err:
                 message = f"instance {backend.name} broke the stream: {err}"
-                self._write_chunk(eventstream.model_stream_error(message, "ModelStreamError"))
-            self._write_chunk(b"")
-        except ClientGone:
-            self._cancel_turn(backend)
+                write_chunk(self.wfile, eventstream.model_stream_error(message, "ModelStreamError"))
+            write_chunk(self.wfile, b"")
+        except CallerGone:
+            target, session_id = urlsplit(backend.url), self.headers.get(SESSION_HEADER)
+            cancel_turn(target.hostname, target.port, session_id, self.server.timeout_s)
             self.close_connection = True
-
-    def _cancel_turn(self, backend: Backend) -> None:
-        """TorchServe never tells its worker that the caller left: say it, so the session's
-        turn stops at its next step (handlers/turns.py)."""
-        try:
-            with self._forward(backend, json.dumps({"requestType": CANCEL_TURN}).encode()) as r:
-                r.read()
-        except BackendDown:
-            pass  # the instance is gone, and its turn with it
-
-    def _write_chunk(self, data: bytes) -> None:
-        """One chunk of the chunked reply (empty: the last one)."""
-        try:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError) as err:
-            raise ClientGone from err
 
     def _reject(self, rejected: Rejected) -> None:
         body = {"message": rejected.message, **rejected.fields}

@@ -27,7 +27,8 @@ import json
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from llava_wire import CANCEL_TURN, NOT_READY, SESSION_HEADER
+from llava_wire import NOT_READY, SESSION_HEADER
+from serving.relay import CallerGone, cancel_turn, write_chunk
 
 # Per-connection headers (RFC 9110 §7.6.1): they describe one hop, so they are not forwarded.
 # Content-Length is set again for the body actually sent; Expect: 100-continue was answered here.
@@ -124,11 +125,11 @@ class _FrontHandler(BaseHTTPRequestHandler):
             self.end_headers()
             try:
                 while piece := reply.read1(RELAY_CHUNK):  # whatever has arrived, no waiting
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
-            except (BrokenPipeError, ConnectionResetError):
-                self._cancel_turn()
+                    write_chunk(self.wfile, piece)
+                write_chunk(self.wfile, b"")
+            except CallerGone:
+                session_id = self.headers.get(SESSION_HEADER)
+                cancel_turn(*self.server.upstream, session_id, CANCEL_TIMEOUT_S)
                 self.close_connection = True
         else:
             payload = reply.read()
@@ -136,25 +137,6 @@ class _FrontHandler(BaseHTTPRequestHandler):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(payload)
-
-    def _cancel_turn(self) -> None:
-        """The client hung up: ask the worker to stop the session's turn at its next step."""
-        session_id = self.headers.get(SESSION_HEADER)
-        if not session_id:
-            return
-        upstream = http.client.HTTPConnection(*self.server.upstream, timeout=CANCEL_TIMEOUT_S)
-        try:
-            upstream.request(
-                "POST",
-                "/invocations",
-                body=json.dumps({"requestType": CANCEL_TURN}),
-                headers={"Content-Type": "application/json", SESSION_HEADER: session_id},
-            )
-            upstream.getresponse().read()
-        except (OSError, http.client.HTTPException):
-            pass  # nothing more to do: the turn ends at its deadline
-        finally:
-            upstream.close()
 
     def _read_body(self) -> bytes | None:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
