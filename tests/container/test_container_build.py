@@ -102,6 +102,14 @@ def test_the_image_installs_every_package_its_entrypoint_imports():
     assert needed - copied == set()
 
 
+def test_the_build_context_holds_everything_the_dockerfile_copies():
+    """.dockerignore lets only what it names into the build context (``*``, then ``!name``)."""
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    assert "*" in lines
+    allowed = {line[1:] for line in lines if line.startswith("!")}
+    assert {source.split("/")[0] for source in dockerfile_copies()} - allowed == set()
+
+
 STUB = """#!/bin/sh
 echo "$(basename "$0") $*" >> "{log}"
 case "$(basename "$0") $*" in
