@@ -62,6 +62,8 @@ RUN pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX:+--index-url "${TORCH_IN
 COPY setup.cfg pyproject.toml README.md ./
 COPY llava llava
 COPY handlers handlers
+COPY llava_wire llava_wire
+COPY serving serving
 # hadolint ignore=DL3013
 RUN pip install ".[engine,serve]" \
     && python docker/check_torch.py "${TORCH_FLAVOUR}"

@@ -1,5 +1,5 @@
-# The public interface: test, test-container, demo, serve, stop, mar, bench, notebook,
-# endpoint, soak, image, capacity (names and meaning stay stable).
+# The public interface: test, test-fast, test-container, demo, serve, stop, mar, bench,
+# notebook, endpoint, soak, image, capacity (names and meaning stay stable).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,8 +17,8 @@ ENDPOINT_INSTANCES ?= 2
 ENDPOINT_PORT ?= 8090
 ENDPOINT_DIR ?= .run/endpoint
 
-.PHONY: setup test test-container lint demo bench gpu-check build-demo-model mar demo-mar serve \
-	stop endpoint soak notebook image capacity clean
+.PHONY: setup test test-fast test-container lint demo bench gpu-check build-demo-model mar demo-mar \
+	serve stop endpoint soak notebook image capacity clean
 
 # CUDA machines: `make setup TORCH_INDEX=<PyTorch wheel index for your CUDA version>` on a
 # fresh checkout (or after `rm -rf .venv`) installs that build of torch 2.13.0 instead.
@@ -41,16 +41,22 @@ lint: setup
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/shellcheck docker/entrypoint.sh scripts/build_and_push.sh
 
-# The TorchServe tests serve the demo model's .mar (model-store/llava.mar).
+# Every tier: tests/unit, tests/serving (real TorchServe, serving the demo model's .mar,
+# model-store/llava.mar), tests/container (the image's build side; the image itself runs under
+# test-container) and tests/install (fresh venvs from the package index).
 test: setup lint demo-mar
 	$(PY) -m pytest -q
+
+# The developer's loop: the unit tier alone (no TorchServe, no Java, no Docker, no index).
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
 
 # The container tier (.ci/run runs it after `test`): starts a Docker engine if none answers
 # (installing Debian's docker.io if missing), makes the stand-in base image once, builds the
 # CPU flavour and runs it as SageMaker does (scripts/container_tier.py). One line and no
 # failure if Docker cannot start on this machine.
 test-container: setup demo-mar
-	$(PY) scripts/container_tier.py
+	$(PY) -m scripts.container_tier
 
 # The production image (CUDA torch; Docker Hub's python base): `docker build` of the Dockerfile.
 # IMAGE_BUILD_FLAGS e.g. "--network host" where the build needs the host's network, or
@@ -62,7 +68,7 @@ image:
 
 # Archives, serves on loopback, chats about a demo image, closes, stops (see scripts/demo.py).
 demo: demo-mar
-	$(PY) scripts/demo.py
+	$(PY) -m scripts.demo
 
 # Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn,
 # the handler's per-request cost against the number of idle sessions held, the local
@@ -71,50 +77,50 @@ demo: demo-mar
 # from host against recompute, sessions per tier, accounted against actual bytes), and the
 # persistent tier (turn latency on/off, bytes per session, kill to the next answered turn).
 bench: demo-mar
-	$(PY) scripts/bench_turns.py
-	$(PY) scripts/bench_handler.py
-	$(PY) scripts/bench_sessions.py
-	$(PY) scripts/bench_endpoint.py
-	$(PY) scripts/bench_front.py
-	$(PY) scripts/bench_runner.py --threads 1
-	$(PY) scripts/bench_attention.py
-	$(PY) scripts/bench_concurrency.py
-	$(PY) scripts/bench_memory.py
-	$(PY) scripts/bench_persist.py
+	$(PY) -m scripts.bench_turns
+	$(PY) -m scripts.bench_handler
+	$(PY) -m scripts.bench_sessions
+	$(PY) -m scripts.bench_endpoint
+	$(PY) -m scripts.bench_front
+	$(PY) -m scripts.bench_runner --threads 1
+	$(PY) -m scripts.bench_attention
+	$(PY) -m scripts.bench_concurrency
+	$(PY) -m scripts.bench_memory
+	$(PY) -m scripts.bench_persist
 
 # On a CUDA machine: the CUDA tests, the attention candidates and the engine's table on a
 # random-weight model of llava-1.5-7b's shape (scripts/gpu_check.py). Without CUDA: one
 # line, exit 0.
 gpu-check: setup
-	$(PY) scripts/gpu_check.py
+	$(PY) -m scripts.gpu_check
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup
-	$(PY) scripts/build_demo_model.py --out $(or $(MODEL_DIR),$(DEMO_MODEL_DIR))
+	$(PY) -m demo_model.build --out $(or $(MODEL_DIR),$(DEMO_MODEL_DIR))
 
 # Always rebuilt (seconds for the demo model or a reference): a stale .mar is worse than a
 # rebuild. Refuses a missing or empty MODEL_DIR at once.
 mar: setup
-	$(PY) scripts/make_mar.py --remember $(MAR_CHOICE)
+	$(PY) -m serving.mar --remember $(MAR_CHOICE)
 
 # The demo model's .mar for demo, test and bench; the model `make mar` remembers stays as it is.
 demo-mar: setup
-	$(PY) scripts/make_mar.py --model-dir $(DEMO_MODEL_DIR) --weights inside
+	$(PY) -m serving.mar --model-dir $(DEMO_MODEL_DIR) --weights inside
 
 # Serves the model `make mar` was last given (rebuilt, so the code is fresh). Returns once the
 # worker is READY, or fails with the tail of TorchServe's logs (.run/); a bad setting fails at
 # once with its one line.
 serve: mar
-	$(PY) scripts/torchserve_ctl.py start $(SERVE_FLAGS)
+	$(PY) -m serving.torchserve start $(SERVE_FLAGS)
 
 # Stops what `serve` and what `endpoint` started.
 stop: setup
-	$(PY) scripts/torchserve_ctl.py stop $(SERVE_FLAGS)
-	$(PY) scripts/endpoint_ctl.py stop --run-dir $(ENDPOINT_DIR)
+	$(PY) -m serving.torchserve stop $(SERVE_FLAGS)
+	$(PY) -m local_endpoint.launcher stop --run-dir $(ENDPOINT_DIR)
 
 # Returns once every instance has a READY worker and the endpoint answers on ENDPOINT_PORT.
 endpoint: mar
-	$(PY) scripts/endpoint_ctl.py start --instances $(ENDPOINT_INSTANCES) \
+	$(PY) -m local_endpoint.launcher start --instances $(ENDPOINT_INSTANCES) \
 		--port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 # Load, faults and bad input together for SOAK_SECONDS with SOAK_SESSIONS conversations, against
@@ -123,12 +129,12 @@ endpoint: mar
 SOAK_SECONDS ?= 90
 SOAK_SESSIONS ?= 8
 soak: demo-mar
-	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_SESSIONS=$(SOAK_SESSIONS) $(PY) scripts/soak.py
+	SOAK_SECONDS=$(SOAK_SECONDS) SOAK_SESSIONS=$(SOAK_SESSIONS) $(PY) -m scripts.soak
 
 # Executes the deploy-and-infer notebook in local mode into build/notebooks/ (it runs
 # `make endpoint` and `make stop` itself, on ENDPOINT_PORT).
 notebook: setup
-	$(PY) scripts/run_notebook.py --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
+	$(PY) -m scripts.run_notebook --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 # Sessions per instance at each memory tier, by arithmetic from the engine's own accounting
 # (python -m llava.capacity --help). Reads the config and tokenizer only: no weights needed.

@@ -1,4 +1,4 @@
-"""Container entrypoint: ``serve`` = TorchServe behind a truthful ``/ping`` (docker/front.py).
+"""Container entrypoint: ``serve`` = TorchServe behind a truthful ``/ping`` (serving/front.py).
 
 SageMaker runs ``docker run <image> serve`` and then polls ``GET /ping`` on port 8080 until
 it answers 200; model data is under ``/opt/ml/model``. This process
@@ -11,11 +11,11 @@ it answers 200; model data is under ``/opt/ml/model``. This process
      handler, the weights referenced in place (nothing is copied);
 3. starts the front on the public port at once (``/ping`` 503) and TorchServe on internal
    loopback ports, and waits until the management API reports a READY worker (``/ping`` 200);
-4. when the READY worker dies, restarts the whole TorchServe instance (scripts/supervisor.py;
+4. when the READY worker dies, restarts the whole TorchServe instance (serving/supervisor.py;
    TorchServe 0.12's own restart of an async worker never serves again): ``/ping`` is 503 and
    ``/invocations`` a 503 ``NOT_READY`` meanwhile, sessions are gone (400 ``SESSION_NOT_FOUND``);
 5. writes the session metrics as CloudWatch embedded-metric-format lines on stdout
-   (docker/emf.py), at once when they change and at least every ``SERVE_METRICS_INTERVAL_S``;
+   (serving/emf.py), at once when they change and at least every ``SERVE_METRICS_INTERVAL_S``;
 6. exits 1 when TorchServe exits, when the worker crash-loops while loading, when no worker is
    READY within ``SERVE_STARTUP_TIMEOUT_S``, or when the worker died more than
    ``SERVE_MAX_RESTARTS`` times within ``SERVE_RESTART_WINDOW_S``; exits 0 on SIGTERM after
@@ -52,22 +52,22 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from emf import NAMESPACE, EmfReporter  # noqa: E402 (docker/ is this script's own directory)
-from front import Front  # noqa: E402
-
-from llava.config import (  # noqa: E402
+from llava.config import (
     EngineConfig,
     SettingsError,
     env_name,
     load_config,
     unknown_env_names,
 )
-from scripts.make_mar import build_mar  # noqa: E402
-from scripts.supervisor import RestartLimit, Supervisor  # noqa: E402
-from scripts.torchserve_ctl import TorchServeError, TorchServeInstance  # noqa: E402
+from serving.emf import NAMESPACE, EmfReporter
+from serving.front import Front
+from serving.mar import build_mar
+from serving.supervisor import RestartLimit, Supervisor
+from serving.torchserve import TorchServeError, TorchServeInstance
+
+# The checkout, or /opt/stateful-llava in the image: its config.properties and
+# model-config.yaml are the ones served (the installed serving package has neither).
+APP = Path(__file__).resolve().parents[1]
 
 MODEL_NAME = "llava"
 
@@ -154,7 +154,13 @@ def resolve_model(model_dir: Path, work_dir: Path) -> tuple[Path, str]:
         return model_dir, mars[0].stem
     if (model_dir / "config.json").is_file():
         store = work_dir / "model-store"
-        build_mar(model_dir, "reference", export_path=store, model_name=MODEL_NAME)
+        build_mar(
+            model_dir,
+            "reference",
+            config=APP / "model-config.yaml",
+            export_path=store,
+            model_name=MODEL_NAME,
+        )
         return store, MODEL_NAME
     raise SettingError(
         f"no model in {model_dir}: expected one .mar (make mar) or a checkpoint (config.json)"
@@ -211,7 +217,7 @@ def _follow(path: Path, done: threading.Event) -> None:
 
 
 def _report_metrics(settings: Settings, metrics_port: int, name: str, done: threading.Event):
-    """EMF lines from TorchServe's metrics endpoint until ``done`` (docker/emf.py)."""
+    """EMF lines from TorchServe's metrics endpoint until ``done`` (serving/emf.py)."""
     url = f"http://127.0.0.1:{metrics_port}/metrics"
 
     def scrape() -> str:
@@ -232,7 +238,14 @@ def serve(settings: Settings) -> int:
     store, name = resolve_model(settings.model_dir, settings.work_dir)
     inference, management, metrics = settings.ts_ports
     ts = TorchServeInstance(
-        settings.work_dir / "ts", inference, management, metrics, store, name, host="127.0.0.1"
+        settings.work_dir / "ts",
+        inference,
+        management,
+        metrics,
+        store,
+        name,
+        ts_config=APP / "config.properties",
+        host="127.0.0.1",
     )
     supervisor = Supervisor(
         ts,

@@ -18,12 +18,7 @@ from typing import Any
 from llava import session_ids
 from llava.errors import InvalidRequest, echo
 from llava.intake import parse_image_source
-
-SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
-NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
-CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
-NEW_SESSION = "NEW_SESSION"
-CANCEL_TURN = "CANCEL_TURN"
+from llava_wire import CANCEL_TURN, CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_HEADER
 
 
 @dataclass(frozen=True)
@@ -86,10 +81,10 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     from_body = _checked_id(payload.get("extSessionID"), "'extSessionID'")
     # Without a requestType, a session id says "ask"; no id at all says "open".
     no_id = from_header is None and from_body is None
-    kind = payload.get("requestType", NEW_SESSION if no_id else "SESSION")
+    kind = payload.get("requestType", NEW_SESSION if no_id else SESSION)
     if kind == NEW_SESSION:
         return _open(payload, from_header, from_body)
-    if kind not in ("SESSION", "CLOSE_SESSION", CANCEL_TURN):
+    if kind not in (SESSION, CLOSE_SESSION, CANCEL_TURN):
         raise InvalidRequest(
             f"unknown requestType {echo(kind)}; use NEW_SESSION, SESSION, CLOSE_SESSION or "
             f"{CANCEL_TURN}",
@@ -101,7 +96,7 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
             f"requestType {kind} needs the session id in the {SESSION_HEADER} header",
             code="MISSING_SESSION_ID",
         )
-    if kind == "CLOSE_SESSION":
+    if kind == CLOSE_SESSION:
         return CloseSession(session_id)
     if kind == CANCEL_TURN:
         return CancelTurn(session_id)

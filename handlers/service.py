@@ -18,9 +18,6 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 from handlers.errors import error_response
 from handlers.metrics import SessionMetrics
 from handlers.protocol import (
-    CLOSED_SESSION_HEADER,
-    NEW_SESSION_HEADER,
-    SESSION_HEADER,
     AskSession,
     CancelTurn,
     CloseSession,
@@ -34,6 +31,7 @@ from llava.engine import Answer
 from llava.intake import IntakePolicy, load_image
 from llava.reaper import Reaper
 from llava.shards import ShardedEngine
+from llava_wire import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 
 logger = logging.getLogger(__name__)
 JSON = "application/json"
@@ -53,7 +51,7 @@ class LlavaService:
     def from_context(cls, context) -> LlavaService:
         archived = (context.model_yaml_config or {}).get("handler", {})
         # Every setting is checked before anything loads: a bad one fails the start with one
-        # line (SettingsError) that scripts/torchserve_ctl.py shows at once.
+        # line (SettingsError) that serving/torchserve.py shows at once.
         # One engine shard per device (docs/design.md §Engine shards): TorchServe's gpu_id
         # is not used, this one worker drives every device its setting names.
         config = load_config(archived, os.environ, context.system_properties["model_dir"])

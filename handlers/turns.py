@@ -2,7 +2,7 @@
 
 TorchServe 0.12 never tells the worker that a client went away
 (docs/design.md §TorchServe 0.12 facts). The servers in front of it do see the client's socket
-close (docker/front.py, local_endpoint/): they send ``{"requestType": "CANCEL_TURN"}`` for the
+close (serving/front.py, local_endpoint/): they send ``{"requestType": "CANCEL_TURN"}`` for the
 session, and each of its asks in flight (running or waiting for the session) ends at the
 engine's next step.
 """

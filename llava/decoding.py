@@ -22,7 +22,7 @@ def prefill(
     model, ids: list[int], cache: DynamicCache, image_features: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Run ``ids`` through the model on top of ``cache``; return the last position's logits
-    (tests/test_runner.py checks llava.runner against this)."""
+    (tests/unit/test_runner.py checks llava.runner against this)."""
     image = {}
     if image_features is not None:
         pooled = BaseModelOutputWithPooling(pooler_output=[image_features])

@@ -12,11 +12,7 @@ import json
 
 from botocore.exceptions import ClientError
 
-# The codes for a session that no longer exists (closed, expired, evicted): the container's,
-# and the local endpoint's on its ValidationError (SESSION_LOST: with its instance).
-SESSION_GONE_CODES = frozenset(
-    {"SESSION_NOT_FOUND", "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED", "SESSION_LOST"}
-)
+from llava_wire import SESSION_GONE_CODES
 
 
 class LlavaError(Exception):

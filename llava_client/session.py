@@ -35,10 +35,9 @@ from llava_client.errors import LlavaError, SessionGone, from_client_error, from
 from llava_client.images import image_source
 from llava_client.jsonlines import JsonLines
 from llava_client.limits import request_body
+from llava_wire import CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_CLOSED, TURN_INTERRUPTED
 
 logger = logging.getLogger(__name__)
-NEW_SESSION = "NEW_SESSION"
-TURN_INTERRUPTED = "TURN_INTERRUPTED"
 T = TypeVar("T")
 
 
@@ -199,7 +198,7 @@ class Session:
             return
         self.closed = True
         with contextlib.suppress(SessionGone):  # already gone: nothing left to free
-            self.client._invoke({"requestType": "CLOSE_SESSION"}, self.id)
+            self.client._invoke({"requestType": CLOSE_SESSION}, self.id)
 
     def __enter__(self) -> Session:
         return self
@@ -214,7 +213,7 @@ class Session:
 
     def _live_id(self) -> str:
         if self.closed:
-            raise SessionGone("SESSION_CLOSED", f"session {self.id} was closed by this client")
+            raise SessionGone(SESSION_CLOSED, f"session {self.id} was closed by this client")
         return self.id
 
     def _recovering(self, call: Callable[[], T]) -> T:
@@ -239,6 +238,6 @@ class Session:
 
 
 def _ask_body(question: str, parameters: dict) -> dict:
-    return {"requestType": "SESSION", "inputs": question} | (
+    return {"requestType": SESSION, "inputs": question} | (
         {"parameters": parameters} if parameters else {}
     )

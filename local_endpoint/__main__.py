@@ -5,9 +5,9 @@
         [--host 127.0.0.1] [--port 8090] [--name stateful-llava] [--part-bytes 0]
 
 A ``--backend`` is only forwarded to. An ``--instance`` (a READY TorchServe instance started
-by scripts/torchserve_ctl.py from DIR on those ports) is also supervised: when its worker dies,
-the whole instance is restarted (scripts/supervisor.py) and gets no requests until READY again.
-``make endpoint`` (scripts/endpoint_ctl.py) starts the instances and this in the background.
+by serving/torchserve.py from DIR on those ports) is also supervised: when its worker dies,
+the whole instance is restarted (serving/supervisor.py) and gets no requests until READY again.
+``make endpoint`` (local_endpoint/launcher.py) starts the instances and this in the background.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import sys
 import threading
 from pathlib import Path
 
+from local_endpoint.launcher import instance_env
 from local_endpoint.router import Backend, Router
 from local_endpoint.server import EndpointServer
-from scripts.endpoint_ctl import instance_env
-from scripts.supervisor import Supervisor
-from scripts.torchserve_ctl import TorchServeInstance
+from serving.supervisor import Supervisor
+from serving.torchserve import TorchServeInstance
 
 
 def backend_spec(spec: str) -> Backend:

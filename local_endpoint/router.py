@@ -7,7 +7,7 @@ answering, or whose worker dies, takes its sessions with it, as on SageMaker onc
 is replaced: the router remembers which ids were lost and with how many others (``Loss``), so
 they are told apart from ids that never existed (docs/design.md §The local endpoint). It gets no
 new sessions until a ``/ping`` answers again. A supervised instance (``ready`` given: its
-supervisor's answer, scripts/supervisor.py) is asked that instead of ``/ping``, which
+supervisor's answer, serving/supervisor.py) is asked that instead of ``/ping``, which
 TorchServe answers while its worker reloads.
 """
 

@@ -47,15 +47,18 @@ from handlers.interrupted import (
 from llava import session_ids
 from llava.errors import clip, echo
 from llava_client.limits import MAX_REQUEST_BYTES
+from llava_wire import (
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+)
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Loss, Router
+from serving.relay import CallerGone, cancel_turn, write_chunk
 
-SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
-NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
-CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 INSTANCE_HEADER = "X-Local-Endpoint-Instance"
 ERROR_CODE_HEADER = "X-Local-Endpoint-Error-Code"
-NEW_SESSION = "NEW_SESSION"
 FORWARDED = ("Content-Type", "Accept", "X-Amzn-SageMaker-Custom-Attributes", SESSION_HEADER)
 MAX_BODY_BYTES = MAX_REQUEST_BYTES  # SageMaker's cap, the one the client checks too
 _ROUTE = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
@@ -134,10 +137,6 @@ def front_error(error: ErrorReply) -> Rejected:
 
 class BackendDown(Exception):
     """The instance did not answer at all (connection refused or dropped)."""
-
-
-class ClientGone(Exception):
-    """The caller hung up while its reply was being written."""
 
 
 class EndpointServer(ThreadingHTTPServer):
@@ -316,33 +315,17 @@ class _Handler(BaseHTTPRequestHandler):
                 while chunk := reply.read1(65536):
                     end.feed(chunk)
                     for part in _split(chunk, self.server.part_bytes):
-                        self._write_chunk(eventstream.payload_part(part))
+                        write_chunk(self.wfile, eventstream.payload_part(part))
             except (OSError, http.client.HTTPException):
                 pass  # told below, in the stream's own terms
             if not end.finished:  # what the container's front adds to a stream cut short
                 line = interrupted_line(f"instance {backend.name} broke the stream")
-                self._write_chunk(eventstream.payload_part(line))
-            self._write_chunk(b"")
-        except ClientGone:
-            self._cancel_turn(backend)
+                write_chunk(self.wfile, eventstream.payload_part(line))
+            write_chunk(self.wfile, b"")
+        except CallerGone:
+            target, session_id = urlsplit(backend.url), self.headers.get(SESSION_HEADER)
+            cancel_turn(target.hostname, target.port, session_id, self.server.timeout_s)
             self.close_connection = True
-
-    def _cancel_turn(self, backend: Backend) -> None:
-        """TorchServe never tells its worker that the caller left: say it, so the session's
-        turn stops at its next step (handlers/turns.py)."""
-        try:
-            with self._forward(backend, json.dumps({"requestType": "CANCEL_TURN"}).encode()) as r:
-                r.read()
-        except BackendDown:
-            pass  # the instance is gone, and its turn with it
-
-    def _write_chunk(self, data: bytes) -> None:
-        """One chunk of the chunked reply (empty: the last one)."""
-        try:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError) as err:
-            raise ClientGone from err
 
     def _reject(self, rejected: Rejected) -> None:
         body = {"message": rejected.message, **rejected.fields}

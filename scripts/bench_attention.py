@@ -1,6 +1,6 @@
 """One layer's decode attention over a paged pool, by candidate: the alternatives measured.
 
-    python scripts/bench_attention.py [--batch 32] [--context 650] [--heads 12] [--kv-heads 12]
+    python -m scripts.bench_attention [--batch 32] [--context 650] [--heads 12] [--kv-heads 12]
                                       [--head-dim 64] [--block-tokens 16] [--rounds 7]
                                       [--device auto] [--dtype float32]
 
@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from llava.attention import paged_attention  # noqa: E402
-from llava.step_meta import row_meta  # noqa: E402
+from llava.attention import paged_attention
+from llava.step_meta import row_meta
 
 
 def main() -> None:

@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from demo_model.synthetic import held_out_samples
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.memory import MemoryBudget, Tier
+from llava.model import load_model
 
-from llava.config import EngineConfig  # noqa: E402
-from llava.engine import Engine  # noqa: E402
-from llava.memory import MemoryBudget, Tier  # noqa: E402
-from llava.model import load_model  # noqa: E402
-from llava.synthetic import held_out_samples  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
 
@@ -52,9 +51,8 @@ class Run:
 
 def ensure_model(model_dir: Path) -> None:
     if not (model_dir / "config.json").exists():
-        builder = REPO / "scripts" / "build_demo_model.py"
-        cmd = [sys.executable, str(builder), "--config", "realistic", "--out", str(model_dir)]
-        subprocess.run(cmd, check=True)
+        cmd = [sys.executable, "-m", "demo_model.build", "--config", "realistic"]
+        subprocess.run([*cmd, "--out", str(model_dir)], check=True, cwd=REPO)
 
 
 def sessions_at_once(engine: Engine, images, turns: int, new_tokens: int) -> Run:

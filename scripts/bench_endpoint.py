@@ -19,23 +19,21 @@ import base64
 import io
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import requests
 
+from demo_model.synthetic import held_out_samples
+from llava_client import LlavaClient
+from llava_wire import NEW_SESSION, NEW_SESSION_HEADER, SESSION, SESSION_HEADER
+from local_endpoint.launcher import LocalEndpoint
+from scripts.demo import QUESTIONS
+from serving.torchserve import free_ports
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from llava.synthetic import held_out_samples  # noqa: E402
-from llava_client import LlavaClient  # noqa: E402
-from scripts.demo import QUESTIONS  # noqa: E402
-from scripts.endpoint_ctl import LocalEndpoint  # noqa: E402
-from scripts.torchserve_ctl import free_ports  # noqa: E402
-
-SESSION = "X-Amzn-SageMaker-Session-Id"
 NAME = "stateful-llava"
 
 
@@ -44,20 +42,18 @@ class RawSession:
 
     def __init__(self, url: str, image_b64: str):
         self.url, self.http = url, requests.Session()
-        opened = self.post(
-            {"requestType": "NEW_SESSION", "image": {"b64": image_b64}}, "NEW_SESSION"
-        )
-        value = opened.headers.get("X-Amzn-SageMaker-New-Session-Id") or opened.headers[SESSION]
+        opened = self.post({"requestType": NEW_SESSION, "image": {"b64": image_b64}}, NEW_SESSION)
+        value = opened.headers.get(NEW_SESSION_HEADER) or opened.headers[SESSION_HEADER]
         self.session_id = value.split(";")[0]
 
     def post(self, body: dict, session_id: str) -> requests.Response:
-        headers = {"Content-Type": "application/json", SESSION: session_id}
+        headers = {"Content-Type": "application/json", SESSION_HEADER: session_id}
         reply = self.http.post(self.url, data=json.dumps(body), headers=headers, timeout=60)
         reply.raise_for_status()
         return reply
 
     def ask(self, question: str) -> dict:
-        return self.post({"requestType": "SESSION", "inputs": question}, self.session_id).json()
+        return self.post({"requestType": SESSION, "inputs": question}, self.session_id).json()
 
 
 def timed(ask, question: str) -> tuple[float, float]:

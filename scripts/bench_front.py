@@ -1,4 +1,4 @@
-"""What the container's front (docker/front.py) adds per turn: the same session's turns sent
+"""What the container's front (serving/front.py) adds per turn: the same session's turns sent
 through the front and straight to TorchServe's internal inference port, alternating.
 
 Runs docker/entrypoint.sh serve on loopback with free ports and the demo model's .mar
@@ -18,12 +18,11 @@ from pathlib import Path
 
 import requests
 
+from llava_wire import NEW_SESSION, SESSION, SESSION_HEADER
+from serving.torchserve import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from scripts.torchserve_ctl import free_ports  # noqa: E402
-
-SESSION = "X-Amzn-SageMaker-Session-Id"
 TURNS = 60
 
 
@@ -35,7 +34,7 @@ def _ping(url: str) -> int | None:
 
 
 def _open(url: str) -> str:
-    opened = requests.post(f"{url}/invocations", json={"requestType": "NEW_SESSION"}, timeout=60)
+    opened = requests.post(f"{url}/invocations", json={"requestType": NEW_SESSION}, timeout=60)
     opened.raise_for_status()
     return opened.json()["sessionId"]
 
@@ -69,7 +68,7 @@ def main() -> int:
                 time.sleep(0.2)
             print(f"/ping 200 after {time.monotonic() - began:.1f} s")
             ask = {
-                "requestType": "SESSION",
+                "requestType": SESSION,
                 "inputs": "Say that again.",
                 "parameters": {"max_new_tokens": 1},
             }
@@ -80,7 +79,7 @@ def main() -> int:
                 url = (front, direct)[turn % 2]
                 t0 = time.perf_counter()
                 reply = requests.post(
-                    f"{url}/invocations", json=ask, headers={SESSION: session}, timeout=60
+                    f"{url}/invocations", json=ask, headers={SESSION_HEADER: session}, timeout=60
                 )
                 timings[url].append((time.perf_counter() - t0) * 1000)
                 reply.raise_for_status()

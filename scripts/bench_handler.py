@@ -12,23 +12,20 @@ import base64
 import io
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import requests
 
+from demo_model.synthetic import held_out_samples
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava_wire import NEW_SESSION, SESSION, SESSION_HEADER
+from scripts.demo import QUESTIONS
+from serving.torchserve import TorchServeInstance
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from llava.config import EngineConfig  # noqa: E402
-from llava.engine import Engine  # noqa: E402
-from llava.synthetic import held_out_samples  # noqa: E402
-from scripts.demo import QUESTIONS  # noqa: E402
-from scripts.torchserve_ctl import TorchServeInstance  # noqa: E402
-
-SESSION = "X-Amzn-SageMaker-Session-Id"
 
 
 def through_torchserve(image_b64: str, turns: int) -> tuple[list[float], list[float], float]:
@@ -41,13 +38,13 @@ def through_torchserve(image_b64: str, turns: int) -> tuple[list[float], list[fl
     try:
         opened = post(
             url,
-            data=json.dumps({"requestType": "NEW_SESSION", "image": {"b64": image_b64}}),
+            data=json.dumps({"requestType": NEW_SESSION, "image": {"b64": image_b64}}),
             timeout=60,
         )
-        session = {SESSION: opened.json()["sessionId"], "Content-Type": "application/json"}
+        session = {SESSION_HEADER: opened.json()["sessionId"], "Content-Type": "application/json"}
         round_trips, engine = [], []
         for turn in range(turns):
-            body = {"requestType": "SESSION", "inputs": QUESTIONS[turn % len(QUESTIONS)][0]}
+            body = {"requestType": SESSION, "inputs": QUESTIONS[turn % len(QUESTIONS)][0]}
             start = time.perf_counter()
             reply = post(url, data=json.dumps(body), headers=session, timeout=60)
             round_trips.append((time.perf_counter() - start) * 1000)

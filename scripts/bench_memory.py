@@ -16,26 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from llava.config import EngineConfig  # noqa: E402
-from llava.engine import Engine  # noqa: E402
-from llava.kv_pool import BLOCK_TOKENS, kv_bytes_per_token  # noqa: E402
-from llava.memory import (  # noqa: E402
+from demo_model.synthetic import held_out_samples
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.kv_pool import BLOCK_TOKENS, kv_bytes_per_token
+from llava.memory import (
     MemoryBudget,
     Tier,
     session_feature_bytes,
     session_kv_bytes,
 )
-from llava.model import load_model  # noqa: E402
-from llava.synthetic import held_out_samples  # noqa: E402
-from scripts.bench_turns import ensure_model  # noqa: E402
+from llava.model import load_model
+from scripts.bench_turns import ensure_model
+
+REPO = Path(__file__).resolve().parent.parent
 
 MiB, GiB = 1 << 20, 1 << 30
 FILLER = "What color is the shape? "  # 6 tokens of the realistic tokenizer

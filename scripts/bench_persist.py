@@ -7,7 +7,7 @@ and what it saves.
    LLaVA-1.5-7B by arithmetic (576 image tokens x 4096 hidden, bf16 features) and its
    features written once through the journal (the open's extra cost).
 3. Time from SIGKILL of the worker to the first answered turn on a surviving session: a real
-   TorchServe, supervised (scripts/supervisor.py), the demo model (``--kills 0`` skips it).
+   TorchServe, supervised (serving/supervisor.py), the demo model (``--kills 0`` skips it).
 """
 
 from __future__ import annotations
@@ -28,18 +28,17 @@ from pathlib import Path
 import requests
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from demo_model.synthetic import held_out_samples
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.memory import MemoryBudget
+from llava.model import load_model
+from llava.persist import SessionJournal, Snapshot
+from serving.mar import build_mar
+from serving.supervisor import Supervisor
+from serving.torchserve import TorchServeInstance
 
-from llava.config import EngineConfig  # noqa: E402
-from llava.engine import Engine  # noqa: E402
-from llava.memory import MemoryBudget  # noqa: E402
-from llava.model import load_model  # noqa: E402
-from llava.persist import SessionJournal, Snapshot  # noqa: E402
-from llava.synthetic import held_out_samples  # noqa: E402
-from scripts.make_mar import build_mar  # noqa: E402
-from scripts.supervisor import Supervisor  # noqa: E402
-from scripts.torchserve_ctl import TorchServeInstance  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 DEMO = REPO / "models" / "demo-llava"
 MAR = REPO / "model-store" / "llava.mar"

@@ -1,6 +1,6 @@
 """Decode-step throughput of the packed step runner against Hugging Face's forward.
 
-    python scripts/bench_runner.py [--model-dir build/realistic-llava] [--context 600]
+    python -m scripts.bench_runner [--model-dir build/realistic-llava] [--context 600]
                                    [--batches 1,4,8,32] [--steps 8] [--rounds 5] [--threads N]
 
 Every sequence holds ``--context`` tokens (an image opening of 576 image tokens plus text) in
@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from llava.decoding import prefill  # noqa: E402
-from llava.kv_pool import KVPool, SessionKV, kv_bytes_per_token  # noqa: E402
-from llava.model import load_model  # noqa: E402
-from llava.runner import Runner, StepInput  # noqa: E402
-from scripts.bench_turns import ensure_model  # noqa: E402
+from llava.decoding import prefill
+from llava.kv_pool import KVPool, SessionKV, kv_bytes_per_token
+from llava.model import load_model
+from llava.runner import Runner, StepInput
+from scripts.bench_turns import ensure_model
 
 REPO = Path(__file__).resolve().parent.parent
 

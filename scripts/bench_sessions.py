@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.session import Session
+from llava.store import new_session_id
+from llava_wire import CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_HEADER
+from scripts.handler_harness import InProcessWorker
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from llava.config import EngineConfig  # noqa: E402
-from llava.engine import Engine  # noqa: E402
-from llava.session import Session  # noqa: E402
-from llava.store import new_session_id  # noqa: E402
-from scripts.handler_harness import InProcessWorker  # noqa: E402
-
-SESSION = "X-Amzn-SageMaker-Session-Id"
 HELD = (10, 100, 1000, 5000)
-ASK = {"requestType": "SESSION", "inputs": "What shape is it?", "parameters": {"max_new_tokens": 1}}
+ASK = {"requestType": SESSION, "inputs": "What shape is it?", "parameters": {"max_new_tokens": 1}}
 
 
 def idle_session(engine: Engine) -> Session:
@@ -66,10 +64,10 @@ def main() -> None:
         for held in HELD:
             while len(engine.store) < held:
                 engine.store.add(idle_session(engine))
-            opened = worker.invoke({"requestType": "NEW_SESSION"}).json()["sessionId"]
+            opened = worker.invoke({"requestType": NEW_SESSION}).json()["sessionId"]
 
             def ask(session_id=opened):
-                worker.invoke(ASK, {SESSION: session_id})
+                worker.invoke(ASK, {SESSION_HEADER: session_id})
 
             def bookkeeping(session_id=opened):
                 with engine.store.use(session_id):
@@ -79,7 +77,7 @@ def main() -> None:
             handler = median_ms(ask, args.turns)
             store = median_ms(bookkeeping, args.turns)
             walk = median_ms(engine.check_integrity, 5)
-            worker.invoke({"requestType": "CLOSE_SESSION"}, {SESSION: opened})
+            worker.invoke({"requestType": CLOSE_SESSION}, {SESSION_HEADER: opened})
             print(f"{held:>9,} {handler:>16.2f} {store:>18.3f} {walk:>14.2f}")
     finally:
         worker.stop()

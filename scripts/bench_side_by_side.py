@@ -1,6 +1,6 @@
 """The concurrency bench of this checkout and of another (an older commit), interleaved.
 
-    python scripts/bench_side_by_side.py --base /path/to/older/checkout [--rounds 2]
+    python -m scripts.bench_side_by_side --base /path/to/older/checkout [--rounds 2]
                                          [-- bench_concurrency.py options]
 
 Runs ``scripts/bench_concurrency.py`` of each checkout in turn, alternating which goes first
@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 def run(checkout: Path, extra: list[str]) -> dict[tuple[str, str, str], tuple[float, float]]:
     """One bench run; {(N, turns, mode): (tokens/s, tokens per CPU-second)}."""
     model = ["--model-dir", str(REPO / "build" / "realistic-llava")]
-    cmd = [sys.executable, str(checkout / "scripts" / "bench_concurrency.py"), *model, *extra]
+    # As a module from the checkout's root: its own llava/ is imported, not the installed one.
+    cmd = [sys.executable, "-m", "scripts.bench_concurrency", *model, *extra]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=checkout).stdout
     print(f"--- {checkout}\n{out}", flush=True)
     rows = {}

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.runner import StepInput
-from llava.synthetic import held_out_samples
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("stateless", "pixels", "features", "kv")
@@ -36,9 +36,8 @@ TOKEN_ID_BYTES = 8  # a cached history as int64 ids
 
 def ensure_model(model_dir: Path) -> None:
     if not (model_dir / "config.json").exists():
-        builder = REPO / "scripts" / "build_demo_model.py"
-        cmd = [sys.executable, str(builder), "--config", "realistic", "--out", str(model_dir)]
-        subprocess.run(cmd, check=True)
+        cmd = [sys.executable, "-m", "demo_model.build", "--config", "realistic"]
+        subprocess.run([*cmd, "--out", str(model_dir)], check=True, cwd=REPO)
 
 
 def kv_conversation(engine: Engine, image, turns: int, params: dict):

@@ -14,10 +14,11 @@
    its file:// indexes) are served on loopback and given to the build as PIP_* build
    arguments, with ``--network host``: torch's CPU wheel and the local indexes reach the
    build without Docker Hub; anything else comes from the package registries.
-4. The CPU flavour of the Dockerfile is built (IMAGE), then tests/test_container_image.py runs
-   it the way SageMaker does (``docker run IMAGE serve``, the model under /opt/ml/model).
+4. The CPU flavour of the Dockerfile is built (IMAGE), then
+   tests/container/test_container_image.py runs it the way SageMaker does (``docker run IMAGE
+   serve``, the model under /opt/ml/model).
 
-    python scripts/container_tier.py [--flavour cpu|cuda] [--build-only] [--run-dir DIR]
+    python -m scripts.container_tier [--flavour cpu|cuda] [--build-only] [--run-dir DIR]
                                      [pytest args ...]
 
 Each step prints its time; logs go to .run/container-tier/. docs/design.md §Container tier.
@@ -42,6 +43,7 @@ from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_DIR = ROOT / ".run" / "container-tier"  # --run-dir changes it for the whole run
+IMAGE_TESTS = ROOT / "tests" / "container" / "test_container_image.py"
 BASE = "stateful-llava-base:bookworm"
 IMAGES = {"cpu": "stateful-llava:cpu-test", "cuda": "stateful-llava:cuda-local"}
 ENGINE_START_S = 60
@@ -262,7 +264,7 @@ def build(flavour: str, pip_args: dict[str, str]) -> None:
 def run_tests(image: str, pytest_args: list[str]) -> int:
     began = time.monotonic()
     status = subprocess.call(
-        [sys.executable, "-m", "pytest", "-q", "tests/test_container_image.py", *pytest_args],
+        [sys.executable, "-m", "pytest", "-q", str(IMAGE_TESTS), *pytest_args],
         cwd=ROOT,
         env={**os.environ, "LLAVA_TEST_IMAGE": image},
     )

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import requests
 
+from demo_model.synthetic import held_out_samples
+from llava_wire import CLOSE_SESSION, CLOSED_SESSION_HEADER, NEW_SESSION, SESSION, SESSION_HEADER
+from serving.torchserve import TorchServeInstance
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from llava.synthetic import held_out_samples  # noqa: E402
-from scripts.torchserve_ctl import TorchServeInstance  # noqa: E402
-
-SESSION = "X-Amzn-SageMaker-Session-Id"
 QUESTIONS = [
     ("What shape is it?", "shape"),
     ("And its color?", "color"),  # a follow-up: "its" refers to the previous turn
@@ -53,7 +52,7 @@ def invoke(base: str, body: dict, session_id: str) -> tuple[requests.Response, f
         f"{base}/invocations",
         data=json.dumps(body),
         timeout=60,
-        headers={"Content-Type": "application/json", SESSION: session_id},
+        headers={"Content-Type": "application/json", SESSION_HEADER: session_id},
     )
     elapsed_ms = (time.perf_counter() - start) * 1000
     if reply.status_code != 200:
@@ -62,9 +61,7 @@ def invoke(base: str, body: dict, session_id: str) -> tuple[requests.Response, f
 
 
 def chat(base: str, image_url: str, truth) -> bool:
-    reply, ms = invoke(
-        base, {"requestType": "NEW_SESSION", "image": {"url": image_url}}, "NEW_SESSION"
-    )
+    reply, ms = invoke(base, {"requestType": NEW_SESSION, "image": {"url": image_url}}, NEW_SESSION)
     opened = reply.json()
     session_id = opened["sessionId"]
     print(
@@ -73,7 +70,7 @@ def chat(base: str, image_url: str, truth) -> bool:
     )
     all_right = True
     for question, attribute in QUESTIONS:
-        body = {"requestType": "SESSION", "inputs": question}
+        body = {"requestType": SESSION, "inputs": question}
         answer, ms = invoke(base, body, session_id)
         answer = answer.json()
         text, usage = answer["generation"]["text"], answer["usage"]
@@ -84,8 +81,8 @@ def chat(base: str, image_url: str, truth) -> bool:
             f"{'(right)' if right else '(WRONG, expected ' + getattr(truth, attribute) + ')'}"
             f"  new tokens {usage['newTokens']:>3}, cached {usage['cachedTokens']:>3}"
         )
-    reply, ms = invoke(base, {"requestType": "CLOSE_SESSION"}, session_id)
-    print(f"close  {ms:7.1f} ms  {reply.headers['X-Amzn-SageMaker-Closed-Session-Id']}")
+    reply, ms = invoke(base, {"requestType": CLOSE_SESSION}, session_id)
+    print(f"close  {ms:7.1f} ms  {reply.headers[CLOSED_SESSION_HEADER]}")
     return all_right
 
 

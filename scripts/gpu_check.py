@@ -1,6 +1,6 @@
 """make gpu-check: the CUDA tests, then the engine's numbers on the true llava-1.5-7b shape.
 
-    python scripts/gpu_check.py [--skip-tests] [--sessions 8 32 64] [--new-tokens 64]
+    python -m scripts.gpu_check [--skip-tests] [--sessions 8 32 64] [--new-tokens 64]
 
 Without CUDA it says so in one line and exits 0. With CUDA:
 
@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 FIXTURE = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
 DEMO_MODEL = REPO / "models" / "demo-llava"
@@ -55,9 +54,9 @@ def main() -> int:
     failed = 0
     if not args.skip_tests:
         failed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu"]).returncode
-    attention = [sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--dtype",
+    attention = [sys.executable, "-m", "scripts.bench_attention", "--dtype",
                  "bfloat16", "--heads", "32", "--kv-heads", "32", "--head-dim", "128"]  # fmt: skip
-    subprocess.run(attention, check=True)
+    subprocess.run(attention, check=True, cwd=REPO)
     index = torch.cuda.current_device()
     shard_table(f"cuda:{index},cuda:{index}", args.shard_sessions, args.new_tokens)
     with torch.inference_mode():
@@ -73,9 +72,9 @@ def shard_table(
     Runs on any device list; tests smoke it with "cpu,cpu"."""
     import gc
 
+    from demo_model.synthetic import held_out_samples
     from llava.config import EngineConfig
     from llava.shards import ShardedEngine
-    from llava.synthetic import held_out_samples
     from scripts.bench_concurrency import sessions_at_once
 
     config = EngineConfig(
@@ -131,10 +130,10 @@ def random_7b():
 
 
 def engine_table(sessions: list[int], new_tokens: int) -> None:
+    from demo_model.synthetic import held_out_samples
     from llava.config import EngineConfig
     from llava.engine import Engine, memory_budget
     from llava.memory import Tier
-    from llava.synthetic import held_out_samples
     from scripts.bench_concurrency import sessions_at_once
 
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Execute notebooks/llava_stateful_deploy_infer.ipynb in local mode and check what it printed.
 
-    python scripts/run_notebook.py [--port 8090] [--run-dir .run/endpoint] [--out build/notebooks]
+    python -m scripts.run_notebook [--port 8090] [--run-dir .run/endpoint] [--out build/notebooks]
                                    [--save-to-repo]
 
 The notebook starts the local endpoint itself (``make endpoint``) and stops it in a ``finally``;
@@ -22,10 +22,9 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from local_endpoint.launcher import LocalEndpoint
 
-from scripts.endpoint_ctl import LocalEndpoint  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 NOTEBOOK = REPO / "notebooks" / "llava_stateful_deploy_infer.ipynb"
 TTFT_PLOT = REPO / "docs" / "notebook_ttft.png"

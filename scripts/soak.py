@@ -38,14 +38,13 @@ import boto3
 import psutil
 from botocore.config import Config
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from local_endpoint.launcher import LocalEndpoint
+from scripts.soak_calls import Books, Caller, Outcome
+from scripts.soak_images import Drawn, ImageServer, declared_png, draw_big, draw_shape
+from serving.mar import build_mar
+from serving.torchserve import free_ports
 
-from scripts.endpoint_ctl import LocalEndpoint  # noqa: E402
-from scripts.make_mar import build_mar  # noqa: E402
-from scripts.soak_calls import Books, Caller, Outcome  # noqa: E402
-from scripts.soak_images import Drawn, ImageServer, declared_png, draw_big, draw_shape  # noqa: E402
-from scripts.torchserve_ctl import free_ports  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 ENDPOINT = "stateful-llava"
 TTL_S = 10.0  # the soak's session TTL: idling past it is part of the load

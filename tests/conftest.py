@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import MemoryBudget
-from llava.synthetic import held_out_samples
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL_DIR = REPO / "models" / "demo-llava"
@@ -31,7 +31,7 @@ def demo_model():
 def recognized_samples(demo_model, n: int, seed: int = 20_000):
     """Held-out images whose colour and shape the model names in a fresh, isolated session.
 
-    The model is ~99 % accurate (tests/test_demo_model.py checks that); these tests are about
+    The model is ~99 % accurate (tests/unit/test_demo_model.py checks that); these tests are about
     what sessions do to answers, so they start from images it is known to get right alone.
     """
     engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))

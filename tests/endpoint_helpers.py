@@ -12,9 +12,9 @@ from pathlib import Path
 
 import boto3
 
-from scripts.endpoint_ctl import LocalEndpoint
-from scripts.make_mar import build_mar
-from scripts.torchserve_ctl import free_ports
+from local_endpoint.launcher import LocalEndpoint
+from serving.mar import build_mar
+from serving.torchserve import free_ports
 from tests.conftest import DEMO_MODEL_DIR, REPO, recognized_samples
 from tests.intake_servers import LoopbackServer, image_bytes, respond
 

@@ -1,6 +1,6 @@
 """Shapes as a person draws them in PIL: an independent check of the demo model.
 
-Shares no code with ``llava/synthetic.py`` (the training generator): plain named colours,
+Shares no code with ``demo_model/synthetic.py`` (the training generator): plain named colours,
 plain backgrounds, upright shapes built from PIL primitives, several sizes, saved as JPEG.
 If the model only knew its generator's quirks, these would show it.
 """

@@ -1,0 +1,56 @@
+"""The wire contract's names, written once (docs/design.md §Wire contract): the session headers,
+the request types and the error codes a caller can see.
+
+Standard library only and no imports at all: the handler (archived into the .mar beside it),
+the container front, the local endpoint, the client and the benchmarks all import it. The
+engine keeps its error codes on its error classes (llava/ imports no wire package);
+tests/unit/test_wire_names.py checks that each of them is named here.
+"""
+
+# SageMaker's session headers (read case-insensitively). An open's reply carries the new id in
+# both SESSION_HEADER and NEW_SESSION_HEADER as "<id>; Expires=...".
+SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
+NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
+CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+
+# The body's requestType. NEW_SESSION is also the session header's value that asks for a session.
+NEW_SESSION = "NEW_SESSION"
+SESSION = "SESSION"
+CLOSE_SESSION = "CLOSE_SESSION"
+CANCEL_TURN = "CANCEL_TURN"  # the front and the local endpoint send it when a caller hangs up
+REQUEST_TYPES = (NEW_SESSION, SESSION, CLOSE_SESSION, CANCEL_TURN)
+
+# Error codes: {"error": {"code", "message"}}; the status for each is handlers/errors.py's.
+SESSION_NOT_FOUND = "SESSION_NOT_FOUND"
+SESSION_CLOSED = "SESSION_CLOSED"
+SESSION_EXPIRED = "SESSION_EXPIRED"
+SESSION_EVICTED = "SESSION_EVICTED"
+SESSION_LOST = "SESSION_LOST"  # the local endpoint: lost with its instance
+# A session that no longer exists (closed, expired, evicted, or lost with its instance).
+SESSION_GONE_CODES = frozenset(
+    {SESSION_NOT_FOUND, SESSION_CLOSED, SESSION_EXPIRED, SESSION_EVICTED, SESSION_LOST}
+)
+NOT_READY = "NOT_READY"  # the container front: no READY worker behind it now
+# The worker died under the call: send it again (503 with Retry-After); the session goes on.
+TURN_INTERRUPTED = "TURN_INTERRUPTED"
+INTERNAL_ERROR = "INTERNAL_ERROR"
+ERROR_CODES = SESSION_GONE_CODES | {
+    NOT_READY,
+    TURN_INTERRUPTED,
+    "SHARD_FAILED",
+    INTERNAL_ERROR,
+    "ENGINE_ERROR",
+    "INVALID_REQUEST",
+    "UNKNOWN_REQUEST_TYPE",
+    "MISSING_SESSION_ID",
+    "INVALID_SESSION_ID",
+    "INPUTS_WITHOUT_SESSION",
+    "SESSION_ID_IN_USE",
+    "CONVERSATION_TOO_LONG",
+    "IMAGE_SOURCE_NOT_ALLOWED",
+    "IMAGE_TOO_LARGE",
+    "NOT_AN_IMAGE",
+    "IMAGE_FETCH_FAILED",
+    "NO_CAPACITY",
+    "KV_MEMORY_FULL",
+}

@@ -1,0 +1,216 @@
+"""Start and stop the local SageMaker-compatible endpoint: N TorchServe instances behind it.
+
+    python -m local_endpoint.launcher start [--instances 2] [--port 8090]
+        [--name stateful-llava] [--run-dir .run/endpoint] [--part-bytes 0] [--timeout 180]
+    python -m local_endpoint.launcher stop|status [--run-dir .run/endpoint]
+
+``start`` returns once every instance has a READY worker and the endpoint answers ``/ping``;
+the instances (``<run-dir>/instance-<i>``, free loopback ports) and the endpoint process keep
+running in the background until ``stop``. The endpoint process supervises the instances: one
+whose worker dies is restarted whole (serving/supervisor.py) and adopts its sessions from
+its own persistent-tier directory, ``<LLAVA_PERSIST_DIR>/instance-<i>`` (instances on one
+machine must not adopt each other's sessions; ``LLAVA_PERSIST_DIR=null`` turns the tier off).
+LLAVA_* variables in the environment reach the instances (e.g.
+``LLAVA_INTAKE='{"allow": ["127.0.0.1"]}'`` for images served on loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import boto3
+import psutil
+
+from local_endpoint.router import answers_ping
+from serving.torchserve import TorchServeError, TorchServeInstance, tail
+
+REPO = Path(__file__).resolve().parent.parent
+
+STATE = "endpoint.json"
+# The served archive's persist_dir (model-config.yaml), when LLAVA_PERSIST_DIR does not say.
+DEFAULT_PERSIST_DIR = "/dev/shm/stateful-llava"
+
+
+def instance_env(name: str, environ: dict[str, str]) -> dict[str, str]:
+    """The settings one instance gets beside the shared ones: its own persistent-tier
+    directory under the shared one (docs/design.md §Persistent tier)."""
+    base = environ.get("LLAVA_PERSIST_DIR", DEFAULT_PERSIST_DIR)
+    if base == "null":
+        return {}
+    return {"LLAVA_PERSIST_DIR": os.path.join(base, name)}
+
+
+@dataclass
+class LocalEndpoint:
+    run_dir: Path
+    instances: int = 2
+    port: int = 8090
+    name: str = "stateful-llava"
+    part_bytes: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the instances
+    instances_started: list[TorchServeInstance] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir).absolute()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def runtime(self, config=None):
+        """An unmodified boto3 sagemaker-runtime client for this endpoint (dummy credentials:
+        the local endpoint checks no signature)."""
+        return boto3.client(
+            "sagemaker-runtime",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="local",
+            aws_secret_access_key="local",
+            config=config,
+        )
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / "endpoint.log"
+
+    def start(self, timeout: float = 180.0) -> list[TorchServeInstance]:
+        if self.server_pid() is not None:
+            raise TorchServeError(f"the endpoint already runs from {self.run_dir}: stop it first")
+        check_port_free(self.port)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        shared = {**os.environ, **self.env}
+        instances = [
+            TorchServeInstance.on_free_ports(
+                self.run_dir / f"instance-{i}",
+                env={**self.env, **instance_env(f"instance-{i}", shared)},
+            )
+            for i in range(self.instances)
+        ]
+        try:
+            with ThreadPoolExecutor(len(instances)) as pool:  # they load their models at once
+                list(pool.map(lambda ts: ts.start(timeout), instances))
+            self.instances_started = instances
+            self._spawn_server(instances, timeout=30.0)
+        except BaseException:
+            self.stop()
+            raise
+        return instances
+
+    def _spawn_server(self, instances: list[TorchServeInstance], timeout: float) -> None:
+        supervised = [  # the endpoint restarts an instance whose worker dies (serving/supervisor)
+            f"--instance=instance-{i}={ts.root}:{ts.inference_port}:{ts.management_port}:"
+            f"{ts.metrics_port}"
+            for i, ts in enumerate(instances)
+        ]
+        with open(self.log, "wb") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "local_endpoint", "--port", str(self.port)]
+                + ["--name", self.name, "--part-bytes", str(self.part_bytes), *supervised],
+                cwd=REPO,
+                env={**os.environ, **self.env},  # what a restarted instance's workers get
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # outlives `make endpoint`
+            )
+        (self.run_dir / STATE).write_text(json.dumps({"pid": server.pid, "port": self.port}))
+        deadline = time.monotonic() + timeout
+        while not answers_ping(self.url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise TorchServeError(f"the endpoint did not come up:\n{tail(self.log, 20)}")
+            time.sleep(0.1)
+
+    def server_pid(self) -> int | None:
+        try:
+            pid = json.loads((self.run_dir / STATE).read_text())["pid"]
+            if "local_endpoint" in psutil.Process(pid).cmdline():
+                return pid
+        except (OSError, ValueError, KeyError, psutil.Error):
+            pass
+        return None
+
+    def stop(self) -> None:
+        """Stop the endpoint and every instance under the run dir; stopped is fine."""
+        if (pid := self.server_pid()) is not None:
+            proc = psutil.Process(pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        (self.run_dir / STATE).unlink(missing_ok=True)
+        for instance_dir in sorted(self.run_dir.glob("instance-*")):
+            TorchServeInstance(instance_dir).stop()  # finds its processes by directory
+
+
+def check_port_free(port: int) -> None:
+    # SO_REUSEADDR as the server itself binds (http.server does): a port whose last server
+    # just stopped, its sockets in TIME_WAIT, is free for it, and `make stop && make endpoint`
+    # must not wait a minute for them to expire.
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise TorchServeError(f"port {port} is in use (another endpoint?)") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["start", "stop", "status"])
+    parser.add_argument("--run-dir", default=REPO / ".run" / "endpoint", type=Path)
+    parser.add_argument("--instances", default=2, type=int)
+    parser.add_argument("--port", default=8090, type=int)
+    parser.add_argument("--name", default="stateful-llava")
+    parser.add_argument("--part-bytes", default=0, type=int, help="split streamed chunks")
+    parser.add_argument("--timeout", default=180.0, type=float, help="start: seconds to READY")
+    args = parser.parse_args(argv)
+    if args.instances < 1:
+        parser.error("--instances must be at least 1")
+    endpoint = LocalEndpoint(args.run_dir, args.instances, args.port, args.name, args.part_bytes)
+    actions = {
+        "start": lambda: _start(endpoint, args.timeout),
+        "stop": lambda: _stop(endpoint),
+        "status": lambda: _status(endpoint),
+    }
+    try:
+        return actions[args.command]()
+    except TorchServeError as e:
+        print(f"endpoint_ctl {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+def _start(endpoint: LocalEndpoint, timeout: float) -> int:
+    began = time.monotonic()
+    urls = ", ".join(ts.inference_url for ts in endpoint.start(timeout))
+    print(
+        f"endpoint {endpoint.name} READY in {time.monotonic() - began:.1f} s at {endpoint.url} "
+        f"over TorchServe {urls}; logs in {endpoint.run_dir}"
+    )
+    return 0
+
+
+def _stop(endpoint: LocalEndpoint) -> int:
+    endpoint.stop()
+    print(f"endpoint stopped ({endpoint.run_dir})")
+    return 0
+
+
+def _status(endpoint: LocalEndpoint) -> int:
+    pid = endpoint.server_pid()
+    print(f"endpoint: pid {pid}" if pid else "endpoint: not running")
+    return 0 if pid else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

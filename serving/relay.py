@@ -1,0 +1,46 @@
+"""What the container front and the local endpoint both do with a streamed reply: pass it on as
+the chunks of a chunked reply, and when the caller hangs up, tell the worker, since TorchServe
+never does (docs/design.md §Cancellation (`CANCEL_TURN`)). Standard library only: the local
+endpoint imports it in the client's torch-free install."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import BinaryIO
+
+from llava_wire import CANCEL_TURN, SESSION_HEADER
+
+
+class CallerGone(Exception):
+    """The caller hung up while its reply was being written."""
+
+
+def write_chunk(wfile: BinaryIO, data: bytes) -> None:
+    """One chunk of a chunked reply, sent at once (empty: the last one)."""
+    try:
+        wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        wfile.flush()
+    except (BrokenPipeError, ConnectionResetError) as err:
+        raise CallerGone from err
+
+
+def cancel_turn(host: str, port: int, session_id: str | None, timeout_s: float) -> None:
+    """Ask the TorchServe at host:port to stop the session's turn at its next step (a call
+    without a session has no turn to stop). Best effort: a worker that does not answer ends
+    the turn at its deadline anyway."""
+    if not session_id:
+        return
+    upstream = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        upstream.request(
+            "POST",
+            "/invocations",
+            body=json.dumps({"requestType": CANCEL_TURN}),
+            headers={"Content-Type": "application/json", SESSION_HEADER: session_id},
+        )
+        upstream.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        pass
+    finally:
+        upstream.close()

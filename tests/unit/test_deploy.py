@@ -1,0 +1,191 @@
+"""``python -m deploy`` against moto's SageMaker, a real HTTP server on loopback.
+
+The control plane is mocked only because no AWS account exists here: boto3 and sagemaker-core
+make their real requests (AWS_ENDPOINT_URL_SAGEMAKER points them at moto). What moto cannot
+show — an image pulled, model data copied, /ping polled, an endpoint InService for real — is
+in the README's table of what only a real AWS account verifies.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import requests
+from moto.core.responses import ActionResult
+from moto.sagemaker.responses import SageMakerResponse
+from moto.server import ThreadedMotoServer
+
+from serving.torchserve import free_ports
+
+IMAGE = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/stateful-llava:v1"
+ROLE = "arn:aws:iam::123456789012:role/sagemaker"
+# moto (5.2) knows only older instance types: no ml.g5.*.
+INSTANCE = "ml.g4dn.xlarge"
+
+
+def _omit_empty(describe):
+    """moto answers ``"VpcConfig": {}`` / ``"DataCaptureConfig": {}`` where AWS omits the key,
+    and sagemaker-core's typed shapes reject an empty one: answer as AWS does."""
+
+    def patched(self) -> ActionResult:
+        result = describe(self).result
+        return ActionResult({k: v for k, v in result.items() if v != {}})
+
+    return patched
+
+
+@pytest.fixture
+def sagemaker(monkeypatch):
+    for name in ("describe_model", "describe_endpoint_config", "describe_endpoint"):
+        monkeypatch.setattr(SageMakerResponse, name, _omit_empty(getattr(SageMakerResponse, name)))
+    (port,) = free_ports(1)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # its access log outlives capture
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    requests.post(f"http://127.0.0.1:{port}/moto-api/reset", timeout=10).raise_for_status()
+    for key, value in {
+        "AWS_ENDPOINT_URL_SAGEMAKER": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    import boto3
+
+    yield boto3.client("sagemaker", region_name="eu-west-1")
+    server.stop()
+
+
+def deploy(*args: str) -> int:
+    from deploy.__main__ import main
+
+    return main(list(args))
+
+
+def create_args(name: str = "llava-chat", **overrides: str) -> list[str]:
+    options = {
+        "--name": name,
+        "--image": IMAGE,
+        "--model-data": "s3://bucket/llava-1.5-7b-hf/",
+        "--role": ROLE,
+        "--instance-type": INSTANCE,
+        **overrides,
+    }
+    return ["create", *[part for pair in options.items() for part in pair]]
+
+
+def everything(sm) -> dict[str, list[str]]:
+    return {
+        "models": [m["ModelName"] for m in sm.list_models()["Models"]],
+        "configs": [c["EndpointConfigName"] for c in sm.list_endpoint_configs()["EndpointConfigs"]],
+        "endpoints": [e["EndpointName"] for e in sm.list_endpoints()["Endpoints"]],
+    }
+
+
+def test_create_makes_model_config_endpoint_as_asked_and_delete_removes_them(sagemaker, capsys):
+    args = create_args(**{"--instance-count": "2", "--startup-timeout": "2400"})
+    assert deploy(*args, "--env", "LLAVA_SESSION_TTL_S=600", "--env", "LLAVA_DEVICE=cuda") == 0
+    printed = capsys.readouterr().out
+    made = everything(sagemaker)
+    assert made["endpoints"] == ["llava-chat"]
+    [model_name] = made["models"]
+    assert made["configs"] == [model_name] and model_name.startswith("llava-chat-")
+    assert model_name in printed and "llava-chat (InService)" in printed
+
+    container = sagemaker.describe_model(ModelName=model_name)["PrimaryContainer"]
+    assert container["Image"] == IMAGE
+    assert container["ModelDataSource"]["S3DataSource"] == {
+        "S3Uri": "s3://bucket/llava-1.5-7b-hf/",
+        "S3DataType": "S3Prefix",  # a checkpoint copied as is: no tarball for 14 GB
+        "CompressionType": "None",
+    }
+    assert container["Environment"] == {
+        "SERVE_STARTUP_TIMEOUT_S": "2370",  # the container gives up before SageMaker does
+        "LLAVA_SESSION_TTL_S": "600",
+        "LLAVA_DEVICE": "cuda",
+    }
+    [variant] = sagemaker.describe_endpoint_config(EndpointConfigName=model_name)[
+        "ProductionVariants"
+    ]
+    assert variant["ModelName"] == model_name
+    assert (variant["InstanceType"], variant["InitialInstanceCount"]) == (INSTANCE, 2)
+    assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 2400
+    assert variant["ModelDataDownloadTimeoutInSeconds"] == 1800
+    # driver 580 (botocore's model of the AMIs): what the image's CUDA 13.0 torch needs
+    assert variant["InferenceAmiVersion"] == "al2023-ami-sagemaker-inference-gpu-4-1"
+
+    assert deploy("delete", "--name", "llava-chat") == 0
+    assert f"deleted model {model_name}" in capsys.readouterr().out
+    assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
+    assert deploy("delete", "--name", "llava-chat") == 0  # deleting again: nothing to do
+    assert "no endpoint llava-chat" in capsys.readouterr().out
+
+
+def test_the_ami_can_be_left_to_sagemaker(sagemaker):
+    """For an image built with --torch-index for a CUDA 12.x that SageMaker's default AMI runs."""
+    assert deploy(*create_args(**{"--inference-ami-version": "default"})) == 0
+    [config] = everything(sagemaker)["configs"]
+    [variant] = sagemaker.describe_endpoint_config(EndpointConfigName=config)["ProductionVariants"]
+    assert "InferenceAmiVersion" not in variant
+
+
+def test_tarball_model_data_is_unpacked(sagemaker):
+    assert deploy(*create_args(**{"--model-data": "s3://bucket/demo/model.tar.gz"})) == 0
+    [model] = everything(sagemaker)["models"]
+    source = sagemaker.describe_model(ModelName=model)["PrimaryContainer"]["ModelDataSource"]
+    assert source["S3DataSource"]["S3DataType"] == "S3Object"
+    assert source["S3DataSource"]["CompressionType"] == "Gzip"
+
+
+def test_delete_leaves_other_endpoints_alone(sagemaker):
+    assert deploy(*create_args("llava-a")) == 0
+    assert deploy(*create_args("llava-b")) == 0
+    assert deploy("delete", "--name", "llava-a") == 0
+    left = everything(sagemaker)
+    assert left["endpoints"] == ["llava-b"]
+    assert all(name.startswith("llava-b-") for name in left["models"] + left["configs"])
+
+
+def test_a_failed_step_leaves_nothing_behind(sagemaker, capsys):
+    # moto, like SageMaker, refuses an unknown instance type at CreateEndpointConfig: by then
+    # the model exists, and create must delete it again.
+    assert deploy(*create_args(**{"--instance-type": "ml.nonexistent.xlarge"})) == 1
+    assert "instanceType" in capsys.readouterr().err
+    assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"--model-data": "/local/dir"}, "must be an s3:// URI"),
+        ({"--model-data": "s3://bucket/model.zip"}, "prefix ending in /"),
+        ({"--startup-timeout": "7200"}, "startup timeout must be 60..3600"),
+        ({"--instance-count": "0"}, "at least 1"),
+    ],
+)
+def test_bad_arguments_fail_before_any_call(sagemaker, capsys, overrides, message):
+    assert deploy(*create_args(**overrides)) == 2
+    assert message in capsys.readouterr().err
+    assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
+
+
+def test_env_must_be_key_value(capsys):
+    with pytest.raises(SystemExit):
+        deploy(*create_args(), "--env", "LLAVA_DEVICE")
+    assert "--env wants KEY=VALUE" in capsys.readouterr().err
+
+
+def test_the_default_ami_is_one_botocore_lists_with_the_driver_cuda_13_needs():
+    """The facts behind INFERENCE_AMI_VERSION, read from the installed botocore's SageMaker
+    model: CUDA 13.0 needs NVIDIA driver 580 or newer (NVIDIA's CUDA 13.0 release notes)."""
+    from botocore.loaders import Loader
+
+    from deploy.endpoint import INFERENCE_AMI_VERSION
+
+    shapes = Loader().load_service_model("sagemaker", "service-2")["shapes"]
+    assert INFERENCE_AMI_VERSION in shapes["ProductionVariantInferenceAmiVersion"]["enum"]
+    docs = shapes["ProductionVariant"]["members"]["InferenceAmiVersion"]["documentation"]
+    ours = docs.split(f"<dt>{INFERENCE_AMI_VERSION}</dt>", 1)[1].split("</dd>", 1)[0]
+    assert "NVIDIA driver version: 580" in ours and "CUDA version: 13.0" in ours

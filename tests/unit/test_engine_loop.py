@@ -1,0 +1,213 @@
+"""The engine loop on the demo model: batched turns equal turns alone, per-session order,
+deadlines, cancellation, one failing turn failing alone (docs/design.md §Engine loop)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from demo_model.synthetic import held_out_samples
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.memory import MemoryBudget
+from llava.session import Tier
+from tests.unit.test_reaper import wait_until
+
+QUESTIONS = [
+    "What color is the shape?",
+    "And its shape?",
+    "Say that again.",
+    "What is in the picture?",
+    "What shape is it?",
+]
+
+
+def new_engine(demo_model, **options) -> Engine:
+    return Engine(demo_model, EngineConfig("-"), MemoryBudget(64 << 20), **options)
+
+
+def record_batch_sizes(engine: Engine) -> list[int]:
+    sizes: list[int] = []
+    step = engine.runner.next_ids
+    engine.runner.next_ids = lambda batch: sizes.append(len(batch)) or step(batch)
+    return sizes
+
+
+def conversation(engine: Engine, index: int, image) -> list[tuple[int, ...]]:
+    """Session ``index``: its own image (or none), number of turns and answer lengths."""
+    session_id = engine.open(image).session_id
+    answers = []
+    for turn in range(2 + index % 4):
+        parameters = {"max_new_tokens": 3 + (index + turn) % 6, "min_new_tokens": index % 3}
+        answers.append(engine.ask(session_id, QUESTIONS[turn], parameters).token_ids)
+    return answers
+
+
+def test_eight_sessions_batched_answer_exactly_as_each_alone(demo_model):
+    images = [sample.image for sample in held_out_samples(7, seed=50_000)] + [None]
+    alone = new_engine(demo_model, max_batch=1)
+    expected = [conversation(alone, i, image) for i, image in enumerate(images)]
+    engine = new_engine(demo_model)
+    sizes = record_batch_sizes(engine)
+    results: dict[int, list] = {}
+    start = threading.Barrier(len(images))
+
+    def client(index: int) -> None:
+        start.wait()
+        results[index] = conversation(engine, index, images[index])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(images))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert [results.get(i) for i in range(len(images))] == expected
+    assert max(sizes) >= 4  # the sessions really shared steps
+
+
+def test_seeded_sampling_in_a_batch_equals_sampling_alone(demo_model, sample):
+    params = {"do_sample": True, "temperature": 1.5, "top_k": 5, "seed": 11, "max_new_tokens": 8}
+
+    def sampled(engine: Engine) -> tuple[int, ...]:
+        return engine.ask(engine.open(sample.image).session_id, QUESTIONS[3], params).token_ids
+
+    alone = sampled(new_engine(demo_model))
+    engine = new_engine(demo_model)
+    others = [engine.open(sample.image).session_id for _ in range(3)]
+    threads = [
+        threading.Thread(target=engine.ask, args=(s, QUESTIONS[0], {"max_new_tokens": 8}))
+        for s in others
+    ]
+    for thread in threads:
+        thread.start()
+    assert sampled(engine) == alone
+    for thread in threads:
+        thread.join(timeout=60)
+
+
+def test_concurrent_asks_on_one_session_run_in_arrival_order(demo_model, sample):
+    engine = new_engine(demo_model)
+    session_id = engine.open(sample.image).session_id
+    release = threading.Event()
+    blocker = threading.Thread(target=engine.loop.call, args=(release.wait,))
+    blocker.start()  # the loop is held: every ask below queues, in a known order
+    wait_until(lambda: engine.loop._inbox.qsize() == 0, 10, "the loop to take the blocker")
+    answers: dict[int, tuple] = {}
+    threads = []
+    for turn, question in enumerate(QUESTIONS):
+
+        def ask(turn=turn, question=question):
+            answers[turn] = engine.ask(session_id, question, {"max_new_tokens": 5}).token_ids
+
+        threads.append(threading.Thread(target=ask))
+        threads[-1].start()
+        wait_until(lambda n=turn + 1: engine.loop._inbox.qsize() == n, 10, "the ask queued")
+    release.set()
+    for thread in [blocker, *threads]:
+        thread.join(timeout=60)
+    concurrent = engine.store.session(session_id)
+    sequential = new_engine(demo_model)
+    again = sequential.open(sample.image).session_id
+    expected = [sequential.ask(again, q, {"max_new_tokens": 5}).token_ids for q in QUESTIONS]
+    assert [answers[t] for t in range(len(QUESTIONS))] == expected
+    assert concurrent.messages == sequential.store.session(again).messages
+
+
+def test_a_turn_past_its_deadline_ends_unfinished_and_the_next_turn_works(demo_model, sample):
+    engine = new_engine(demo_model)
+    session_id = engine.open(sample.image).session_id
+    engine.config = dataclasses.replace(engine.config, turn_deadline_s=1e-9)
+    late = engine.ask(session_id, "What color is the shape?")
+    assert (late.finished, late.stop_reason, late.token_ids) == (False, "deadline", ())
+    engine.config = dataclasses.replace(engine.config, turn_deadline_s=50)
+    answer = engine.ask(session_id, "What color is the shape?")
+    assert (answer.finished, answer.stop_reason, answer.text) == (True, "eos", sample.color)
+
+
+def test_a_cancelled_turn_stops_at_the_next_step_and_is_committed(demo_model, sample):
+    engine = new_engine(demo_model)
+    session_id = engine.open(sample.image).session_id
+    streamed: list[int | None] = []
+    params = {"max_new_tokens": 40, "min_new_tokens": 40}
+    answer = engine.ask(
+        session_id,
+        "What is in the picture?",
+        params,
+        on_token=lambda _text, token_id: streamed.append(token_id),
+        cancelled=lambda: len(streamed) >= 3,
+    )
+    assert (answer.finished, answer.stop_reason, len(answer.token_ids)) == (False, "cancelled", 3)
+    session = engine.store.session(session_id)
+    assert session.token_ids[-3:] == list(answer.token_ids) and session.turns == 1
+    follow_up = engine.ask(session_id, "What color is the shape?")
+    assert follow_up.stop_reason == "eos" and follow_up.cached_tokens > 0
+
+
+def test_a_failing_turn_fails_alone_and_keeps_its_history(demo_model):
+    a, b = held_out_samples(2, seed=60_000)
+    engine = new_engine(demo_model)
+    alone = new_engine(demo_model)
+    expected = alone.ask(alone.open(b.image).session_id, QUESTIONS[3], {"max_new_tokens": 12})
+    failing = engine.open(a.image).session_id
+    healthy = engine.open(b.image).session_id
+    engine.ask(failing, QUESTIONS[0])
+    history = list(engine.store.session(failing).token_ids)
+
+    def broken_stream(_text, _token_id):
+        raise RuntimeError("the client's socket broke")
+
+    outcome = {}
+
+    def healthy_turn():
+        outcome["b"] = engine.ask(healthy, QUESTIONS[3], {"max_new_tokens": 12})
+
+    thread = threading.Thread(target=healthy_turn)
+    thread.start()
+    with pytest.raises(RuntimeError, match="socket broke"):
+        engine.ask(failing, QUESTIONS[1], {"max_new_tokens": 12}, on_token=broken_stream)
+    thread.join(timeout=60)
+    assert outcome["b"].token_ids == expected.token_ids
+    session = engine.store.session(failing)
+    assert session.tier is Tier.FEATURES and session.token_ids == history
+    assert engine.ask(failing, QUESTIONS[1]).text == a.shape
+
+
+def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
+    a, b = held_out_samples(2, seed=61_000)
+    long = {"max_new_tokens": 30, "min_new_tokens": 30}
+    alone = new_engine(demo_model)
+    expected = alone.ask(alone.open(b.image).session_id, QUESTIONS[3], long).token_ids
+    engine = new_engine(demo_model)
+    failing, healthy = engine.open(a.image).session_id, engine.open(b.image).session_id
+    history = list(engine.store.session(failing).token_ids)
+    poisoned = engine.store.session(failing).kv
+    step = engine.runner.next_ids
+    sizes = []
+
+    def step_failing_for_one(batch):
+        sizes.append(len(batch))
+        if any(item.kv is poisoned for item in batch):
+            raise RuntimeError("this sequence breaks the step")
+        return step(batch)
+
+    engine.runner.next_ids = step_failing_for_one
+    streaming = threading.Event()
+    outcome = {}
+
+    def healthy_turn():
+        outcome["b"] = engine.ask(healthy, QUESTIONS[3], long, lambda *_: streaming.set())
+
+    thread = threading.Thread(target=healthy_turn)
+    thread.start()
+    assert streaming.wait(timeout=60)
+    with pytest.raises(RuntimeError, match="breaks the step"):
+        engine.ask(failing, QUESTIONS[0])
+    thread.join(timeout=60)
+    assert 2 in sizes  # the two really shared a step, and the healthy one went on alone
+    assert outcome["b"].token_ids == expected
+    session = engine.store.session(failing)
+    assert session.tier is Tier.FEATURES and session.token_ids == history
+    engine.runner.next_ids = step
+    assert engine.ask(failing, QUESTIONS[0]).text == a.color

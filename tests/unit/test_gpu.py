@@ -1,0 +1,114 @@
+"""The engine on CUDA: skipped cleanly where there is none (CI never has one)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from demo_model.synthetic import held_out_samples
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.memory import Tier
+from llava.shards import ShardedEngine
+from tests.conftest import DEMO_MODEL_DIR
+from tests.unit.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sessions_on_cuda_answer_and_reuse_their_cache(sample, dtype):
+    engine = Engine.from_config(
+        EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype=dtype)
+    )
+    assert engine.loaded.device.type == "cuda"
+    session_id = engine.open(sample.image).session_id
+    answer = engine.ask(session_id, "What color is the shape?")
+    assert answer.text == sample.color and answer.tier is Tier.KV
+    assert engine.stats().bytes_by_tier[Tier.KV] > 0
+    if dtype == "float32":  # token-exact equality is a fp32 promise
+        for question in CONVERSATION[1:]:
+            answer = engine.ask(session_id, question, {"max_new_tokens": 6})
+            prompt = prompt_of_last_turn(engine, session_id, answer)
+            expected = full_recompute(engine, prompt, sample.image, 6)
+            assert list(answer.token_ids) == expected, question
+    engine.close(session_id)
+    assert engine.stats().total_bytes == 0
+
+
+def test_two_shards_on_one_gpu_load_there_and_split_its_memory():
+    """The last GPU (not merely the current one), named twice: two shards share it."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device=f"{device},{device}")
+    sharded = ShardedEngine.from_config(config)
+    try:
+        _free, total = torch.cuda.mem_get_info(device)
+        for engine in sharded.shards:
+            assert {p.device for p in engine.loaded.model.parameters()} == {device}
+            budget = engine.memory.budget.device_bytes
+            assert 0 < budget <= total * config.session_budget_fraction / 2
+    finally:
+        sharded.stop()
+
+
+def test_a_turn_restored_from_pinned_host_memory_answers_as_never_moved(sample):
+    """The CUDA host tier: pinned memory and a side stream (not run where there is no GPU)."""
+    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype="float32")
+    engine = Engine.from_config(config)
+    moved, kept = (engine.open(sample.image).session_id for _ in range(2))
+    for session_id in (moved, kept):
+        engine.ask(session_id, CONVERSATION[0], {"max_new_tokens": 6})
+    holding = engine.store.session(moved).holding
+    assert engine.memory.move_down(holding) is Tier.HOST
+    assert holding.host.data.is_pinned()
+    restored = engine.ask(moved, CONVERSATION[1], {"max_new_tokens": 6})
+    never_moved = engine.ask(kept, CONVERSATION[1], {"max_new_tokens": 6})
+    assert restored.tier is Tier.HOST and restored.token_ids == never_moved.token_ids
+    engine.check_integrity()
+
+
+def batched_and_alone(engine_for, images) -> tuple[list, list]:
+    """Greedy answers of 8 sessions asked at once, and of each asked alone."""
+    alone_engine = engine_for(max_batch=1)
+    alone = [
+        alone_engine.ask(alone_engine.open(image).session_id, "What color is the shape?").text
+        for image in images
+    ]
+    engine = engine_for(max_batch=8)
+    ids = [engine.open(image).session_id for image in images]
+    with ThreadPoolExecutor(len(ids)) as pool:
+        batched = list(pool.map(lambda s: engine.ask(s, "What color is the shape?").text, ids))
+    return batched, alone
+
+
+def cuda_engine(dtype: str, **options) -> Engine:
+    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype=dtype)
+    engine = Engine.from_config(config, **options)
+    engine.warm_up()  # captures the decode graphs
+    return engine
+
+
+def test_decode_graphs_are_captured_and_answer_as_the_eager_step():
+    images = [s.image for s in held_out_samples(8, seed=35_000)]
+    engine = cuda_engine("float32", max_batch=8)
+    assert sorted(engine.runner.graphs.steps) == [1, 2, 4, 8]
+    assert engine.runner.graphs.reserved_bytes > 0
+    ids = [engine.open(image).session_id for image in images]
+    with ThreadPoolExecutor(8) as pool:
+        replayed = list(pool.map(lambda s: engine.ask(s, "And its shape?").token_ids, ids))
+    engine.runner.graphs = None  # the same turns again, eagerly
+    eager = [engine.ask(engine.open(i).session_id, "And its shape?").token_ids for i in images]
+    assert replayed == eager
+
+
+def test_bf16_batched_answers_equal_each_alone():
+    """bf16 tolerance: batching changes the matmul shapes and so the rounding; on the demo
+    model's answers (one word, large margins) every answer must still be the same."""
+    images = [s.image for s in held_out_samples(8, seed=36_000)]
+    batched, alone = batched_and_alone(lambda **o: cuda_engine("bfloat16", **o), images)
+    assert batched == alone

@@ -1,0 +1,52 @@
+"""docs/design.md's map of the tree is the tree: each place's imports of this repository's
+packages, read from the code, are exactly the ones the map names, and every place is named."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from tests.conftest import REPO
+
+DESIGN = REPO / "docs" / "design.md"
+ROW = re.compile(r"^\| `(\w+)/` \| [^|]+ \| ([^|]+) \|$", re.MULTILINE)
+NOT_MAPPED = {"tests", "notebooks", "models", "model-store", "build"}
+
+
+def mapped() -> dict[str, set[str]]:
+    section = DESIGN.read_text().split("## Map of the tree", 1)[1].split("\n## ", 1)[0]
+    return {place: set(re.findall(r"`(\w+)`", imports)) for place, imports in ROW.findall(section)}
+
+
+def places() -> set[str]:
+    return {
+        d.name
+        for d in REPO.iterdir()
+        if d.is_dir() and not d.name.startswith(".") and d.name not in NOT_MAPPED
+        if any(d.rglob("*.py"))
+    }
+
+
+def imported(place: str, ours: set[str]) -> set[str]:
+    found = set()
+    for path in (REPO / place).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found |= {name.split(".")[0] for name in names}
+    return found & ours - {place}
+
+
+def test_every_place_with_code_is_on_the_map():
+    assert places() == set(mapped())
+
+
+def test_the_map_names_exactly_the_imports_of_each_place():
+    table = mapped()
+    ours = set(table) | {"tests"}
+    actual = {place: imported(place, ours) for place in table}
+    assert actual == table
