@@ -34,6 +34,7 @@ from llava.engine import Engine
 from llava.memory import MemoryBudget
 from llava.model import load_model
 from llava.persist import SessionJournal, Snapshot
+from llava_wire import SESSION_HEADER
 from serving.mar import build_mar
 from serving.supervisor import Supervisor
 from serving.torchserve import TorchServeInstance
@@ -43,7 +44,6 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo-llava"
 MAR = REPO / "model-store" / "llava.mar"
 QUESTIONS = ["What shape is it?", "And its color?", "Say that again.", "What color is the shape?"]
-SESSION = "X-Amzn-SageMaker-Session-Id"
 SEVEN_B = {"image_tokens": 576, "hidden": 4096, "bytes_per_element": 2}
 
 
@@ -141,7 +141,7 @@ def kill_to_answer(kills: int) -> list[float]:
                 timeout=60,
             ).json()["sessionId"]
             ask = {"requestType": "SESSION", "inputs": QUESTIONS[0]}
-            requests.post(f"{url}/invocations", json=ask, headers={SESSION: opened}, timeout=60)
+            requests.post(f"{url}/invocations", json=ask, headers={SESSION_HEADER: opened}, timeout=60)
             killed = time.monotonic()
             os.kill(instance.worker_pid(), signal.SIGKILL)
             while time.monotonic() - killed < 300:
@@ -161,7 +161,7 @@ def kill_to_answer(kills: int) -> list[float]:
 def answered(url: str, body: dict, session_id: str) -> bool:
     try:
         reply = requests.post(
-            f"{url}/invocations", json=body, headers={SESSION: session_id}, timeout=60
+            f"{url}/invocations", json=body, headers={SESSION_HEADER: session_id}, timeout=60
         )
     except requests.RequestException:  # the instance being restarted under us
         return False
