@@ -141,7 +141,9 @@ def kill_to_answer(kills: int) -> list[float]:
                 timeout=60,
             ).json()["sessionId"]
             ask = {"requestType": "SESSION", "inputs": QUESTIONS[0]}
-            requests.post(f"{url}/invocations", json=ask, headers={SESSION_HEADER: opened}, timeout=60)
+            requests.post(
+                f"{url}/invocations", json=ask, headers={SESSION_HEADER: opened}, timeout=60
+            )
             killed = time.monotonic()
             os.kill(instance.worker_pid(), signal.SIGKILL)
             while time.monotonic() - killed < 300:
