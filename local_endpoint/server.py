@@ -271,7 +271,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return backend, self._forward(backend, body)
             except BackendDown:
                 self.server.router.placed(backend)
-                self.server.router.mark_dead(backend)
+                if not backend.coming_back():  # else its sessions come back with its worker
+                    self.server.router.mark_dead(backend)
                 tried.add(backend.name)
         raise Rejected(503, "ServiceUnavailable", "no instance of the endpoint is answering")
 

@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 ENDPOINT = "stateful-llava"
 TTL_S = 10.0  # the soak's session TTL: idling past it is part of the load
-HOLDERS = 12  # idle sessions held through the "memory" fault
+HOLDERS = 20  # idle sessions held through the "memory" fault: more KV than the budget holds
 # Demo model, fp32 (measured): a session's image features take one 36 KiB pool block, its KV
 # after two turns six (221 KiB). The soak's device budget holds every live session's features
 # (so nothing is evicted) but the KV of only a few besides the turns in flight: idle sessions

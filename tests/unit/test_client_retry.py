@@ -20,6 +20,7 @@ import pytest
 from llava_client import LlavaClient, LlavaError
 from local_endpoint.router import Backend, Router
 from local_endpoint.server import EndpointServer
+from serving.torchserve import free_ports
 from tests.endpoint_helpers import DUMMY_CREDENTIALS, ENDPOINT
 
 BUSY = (
@@ -120,3 +121,39 @@ def test_an_error_that_names_no_wait_is_not_retried(container):
     with pytest.raises(LlavaError, match="IMAGE_TOO_LARGE"):
         client_for(container).open(b"\x89PNG")
     assert container.calls == 1
+
+
+def test_an_open_that_meets_a_restarting_instance_leaves_its_sessions_alone():
+    """An open placed on an instance whose worker just died (nothing listens yet, its
+    supervisor not told) goes on to the other instance, and the dead one's sessions are not
+    marked lost: it is supervised with the persistent tier (coming back), so they continue
+    once it is READY (the soak lost them here before: docs/design.md §The local endpoint)."""
+    live = ScriptedContainer()
+    live.script = [OPENED]
+    restarting = Backend(
+        "instance-0",
+        f"http://127.0.0.1:{free_ports(1)[0]}",  # nothing listens there
+        ready=lambda: True,
+        supervised=lambda: True,
+    )
+    other = Backend("instance-1", live.url, ready=lambda: True)
+    router = Router([restarting, other])
+    router.bind("held", restarting)
+    for session_id in ("a", "b"):  # the other instance is busier: the open tries instance-0
+        router.bind(session_id, other)
+    endpoint = EndpointServer(("127.0.0.1", 0), ENDPOINT, router)
+    threading.Thread(target=endpoint.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{endpoint.server_address[1]}"
+        rt = boto3.client("sagemaker-runtime", endpoint_url=url, **DUMMY_CREDENTIALS)
+        reply = rt.invoke_endpoint(
+            EndpointName=ENDPOINT,
+            Body=json.dumps({"requestType": "NEW_SESSION"}),
+            ContentType="application/json",
+            SessionId="NEW_SESSION",
+        )
+        assert reply["ResponseMetadata"]["HTTPHeaders"]["x-local-endpoint-instance"] == "instance-1"
+        assert router.for_session("held") is restarting and router.lost("held") is None
+    finally:
+        endpoint.shutdown()
+        live.httpd.shutdown()
