@@ -151,14 +151,17 @@ class Engine:
         turn (tier FEATURES). Returns how many (docs/design.md §Persistent tier)."""
         now = time.time()
         loaded = self.journal.load(now)
+        for session_id, reason in loaded.gone.items():
+            self.store.remember_gone(session_id, reason)
         for session_id in loaded.expired:
+            self.journal.remove(session_id, EXPIRED)  # noted for a later restart too
             self.store.remember_gone(session_id, EXPIRED)
         adopted = 0
         for entry in loaded.live:
             snapshot = entry.snapshot
             holding = self.memory.hold_features(entry.features)
             if holding is None:
-                self.journal.remove(snapshot.session_id)
+                self.journal.remove(snapshot.session_id, EVICTED)
                 self.store.remember_gone(snapshot.session_id, EVICTED)
                 logger.warning(
                     "persistent tier: session %s not adopted: no room for its features",

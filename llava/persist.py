@@ -38,6 +38,11 @@ _HEAD = struct.Struct("<4sII")  # magic, format, header length
 _DIGEST = hashlib.sha256().digest_size
 _TEMP = ".tmp-"
 _FILE_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,255}")
+# Why ids went (closed, expired, evicted), one "<id> <code>" line each, so a restarted worker
+# still tells a gone id from one never seen; at most REMEMBERED_GONE (as SessionStore keeps).
+GONE_LOG = "gone.log"
+REMEMBERED_GONE = 10_000
+_REASON = re.compile(r"[A-Z_]{1,40}")
 
 
 class BadEntry(ValueError):
@@ -68,11 +73,12 @@ class Persisted:
 
 
 class Loaded(NamedTuple):
-    """What a start finds: the entries to adopt (least recently used first), and the ids of
-    sessions that expired while no worker held them (still answered SESSION_EXPIRED)."""
+    """What a start finds: the entries to adopt (least recently used first), the ids of
+    sessions that expired while no worker held them, and why earlier ones went (id → code)."""
 
     live: list[Persisted]
     expired: list[str]
+    gone: dict[str, str]
 
 
 def model_identity(model: torch.nn.Module, dtype: torch.dtype) -> str:
@@ -126,11 +132,11 @@ class NoJournal:
     def save(self, snapshot: Snapshot, features: torch.Tensor | None = None) -> bool:
         return False
 
-    def remove(self, session_id: str) -> None:
+    def remove(self, session_id: str, reason: str | None = None) -> None:
         pass
 
     def load(self, now_wall: float) -> Loaded:
-        return Loaded([], [])
+        return Loaded([], [], {})
 
 
 class SessionJournal:
@@ -147,6 +153,7 @@ class SessionJournal:
         self.model = model
         self._entries: dict[str, _Entry] = {}
         self._total = 0
+        self._gone_lines = 0  # lines in the gone log (rewritten when twice the kept count)
         self._lock = threading.Lock()
 
     @property
@@ -179,10 +186,13 @@ class SessionJournal:
             self._entries[session_id] = new
             return True
 
-    def remove(self, session_id: str) -> None:
-        """Closed, expired or evicted: its entry goes (state first, so none is half-there)."""
+    def remove(self, session_id: str, reason: str | None = None) -> None:
+        """Closed, expired or evicted: its entry goes (state first, so none is half-there);
+        with ``reason`` (the code a caller is told) the gone log keeps why."""
         with self._lock:
             self._unlink(session_id)
+            if reason is not None and _FILE_SAFE_ID.fullmatch(session_id):
+                self._note_gone(session_id, reason)
 
     def load(self, now_wall: float) -> Loaded:
         """Every live, whole entry of this model, least recently used first, and the ids of
@@ -223,7 +233,11 @@ class SessionJournal:
             self._entries[session_id] = kept
             self._total += kept.total
             adopted.append(entry)
-        return Loaded(adopted[::-1], expired)
+        live = {entry.snapshot.session_id for entry in adopted}
+        gone = {i: why for i, why in self._read_gone().items() if i not in live}
+        if (self.directory / GONE_LOG).exists():
+            self._rewrite_gone(gone)  # trimmed to the newest REMEMBERED_GONE
+        return Loaded(adopted[::-1], expired, gone)
 
     # -- files -----------------------------------------------------------------------------
     def _path(self, session_id: str, suffix: str) -> Path:
@@ -308,6 +322,37 @@ class SessionJournal:
         if header.get("model") != self.model:
             raise BadEntry("another model's entry")
         return header, body[_HEAD.size + length :]
+
+    # -- the gone log (the caller holds self._lock, or is load) -----------------------------
+    def _note_gone(self, session_id: str, reason: str) -> None:
+        try:
+            with open(self.directory / GONE_LOG, "a") as log:
+                log.write(f"{session_id} {reason}\n")
+            self._gone_lines += 1
+            if self._gone_lines > 2 * REMEMBERED_GONE:
+                self._rewrite_gone(self._read_gone())
+        except OSError as e:  # a close never fails for it: the id is then merely unknown
+            logger.warning("persistent tier: %s's end not noted: %s", session_id, e)
+
+    def _read_gone(self) -> dict[str, str]:
+        """The newest REMEMBERED_GONE ids of the log, oldest first; a torn line is skipped."""
+        try:
+            lines = (self.directory / GONE_LOG).read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return {}
+        gone: dict[str, str] = {}
+        for line in lines:
+            session_id, _, reason = line.partition(" ")
+            if _FILE_SAFE_ID.fullmatch(session_id) and _REASON.fullmatch(reason):
+                gone.pop(session_id, None)
+                gone[session_id] = reason
+        return dict(list(gone.items())[-REMEMBERED_GONE:])
+
+    def _rewrite_gone(self, gone: dict[str, str]) -> None:
+        temp = self.directory / f"{_TEMP}{GONE_LOG}-{os.getpid()}"
+        temp.write_text("".join(f"{i} {why}\n" for i, why in gone.items()))
+        os.replace(temp, self.directory / GONE_LOG)
+        self._gone_lines = len(gone)
 
     # -- removal (the caller holds self._lock, or is load) ---------------------------------
     def _drop(self, session_id: str, why: str, log: int = logging.WARNING) -> bool:

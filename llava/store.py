@@ -59,7 +59,7 @@ class Entries(Protocol):
     """What the registry asks of the persistent tier (llava.persist): a session that goes
     loses its entry."""
 
-    def remove(self, session_id: str) -> None: ...
+    def remove(self, session_id: str, reason: str | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ class SessionStore:
     def _remove(self, session_id: str, reason: str) -> None:
         session = self._sessions.pop(session_id)
         self.memory.release(session.holding)  # a no-op for an evicted one
-        self.entries.remove(session_id)
+        self.entries.remove(session_id, reason)
         self._remember(session_id, reason)
 
     def _remember(self, session_id: str, reason: str) -> None:

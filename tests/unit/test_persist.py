@@ -16,7 +16,7 @@ from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.errors import SessionNotFound
 from llava.memory import MemoryBudget
-from llava.persist import FEATURES, STATE, SessionJournal, Snapshot, check_directory
+from llava.persist import FEATURES, GONE_LOG, STATE, SessionJournal, Snapshot, check_directory
 from llava.session import Tier
 
 QUESTIONS = ["What shape is it?", "And its color?", "Say that again.", "What color is the shape?"]
@@ -82,7 +82,11 @@ def test_close_and_expiry_remove_entries(demo_model, sample, tmp_path):
     while list(tmp_path.glob(f"{expiring}.*")) and time.monotonic() < deadline:
         engine.store.reap()
         time.sleep(0.1)
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == [GONE_LOG]  # only why they went
+    assert (tmp_path / GONE_LOG).read_text().splitlines() == [
+        f"{closed} SESSION_CLOSED",
+        f"{expiring} SESSION_EXPIRED",
+    ]
 
 
 def test_entries_of_another_model_are_removed_with_a_log_line(tmp_path, caplog):
@@ -182,7 +186,28 @@ def test_a_session_that_expired_or_found_no_room_meanwhile_is_told_why(
         assert refused.value.code == code
         assert one_block.close(session_id) == code
     kept = next(i for i in held if i != evicted)
-    assert {p.stem for p in tmp_path.iterdir()} == {kept}  # the others' entries are removed
+    assert {p.name for p in tmp_path.iterdir()} == {f"{kept}{STATE}", f"{kept}{FEATURES}", GONE_LOG}
+
+
+def test_a_restarted_worker_still_tells_why_earlier_sessions_went(demo_model, sample, tmp_path):
+    """Ids that were closed, expired or evicted before the crash are answered with that code
+    by the next worker (the gone log), not as ids never seen; a torn last line is skipped."""
+    first = new_engine(demo_model, tmp_path, session_ttl_s=60)
+    closed, expiring, live = (first.open(sample.image).session_id for _ in range(3))
+    first.close(closed)
+    first.store._remove(expiring, "SESSION_EXPIRED")  # what the reaper does past the TTL
+    first.stop()
+    with open(tmp_path / GONE_LOG, "a") as log:
+        log.write("half-writ")  # the worker died in the middle of a line
+    second = new_engine(demo_model, tmp_path)
+    assert second.adopted == 1 and live in second.store
+    for session_id, code in ((closed, "SESSION_CLOSED"), (expiring, "SESSION_EXPIRED")):
+        with pytest.raises(SessionNotFound) as refused:
+            second.ask(session_id, QUESTIONS[0])
+        assert refused.value.code == code
+    with pytest.raises(SessionNotFound) as never:
+        second.ask("never-seen", QUESTIONS[0])
+    assert never.value.code == "SESSION_NOT_FOUND"
 
 
 def test_a_bad_directory_or_cap_fails_the_start_in_one_line(tmp_path):
@@ -227,3 +252,13 @@ def test_a_failing_write_never_fails_the_turn(demo_model, sample, tmp_path, monk
     monkeypatch.setattr(engine.journal, "save", broken)
     assert engine.ask(session_id, QUESTIONS[0]).text == sample.shape
     assert not list(tmp_path.iterdir())  # not persisted any more, rather than stale
+
+
+def test_the_gone_log_keeps_only_the_newest_ids(tmp_path, monkeypatch):
+    monkeypatch.setattr("llava.persist.REMEMBERED_GONE", 3)
+    journal = SessionJournal(tmp_path, 1 << 20, MODEL)
+    for n in range(10):
+        journal.remove(f"s{n}", "SESSION_CLOSED")
+        assert len((tmp_path / GONE_LOG).read_text().splitlines()) <= 6  # twice what is kept
+    loaded = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time())
+    assert loaded.gone == {f"s{n}": "SESSION_CLOSED" for n in (7, 8, 9)}
