@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 ENDPOINT = "stateful-llava"
 TTL_S = 10.0  # the soak's session TTL: idling past it is part of the load
 HOLDERS = 20  # idle sessions held through the "memory" fault: more KV than the budget holds
+HOLDER_GROUPS = 4  # threads that hold them (calls in flight at once)
 # Demo model, fp32 (measured): a session's image features take one 36 KiB pool block, its KV
 # after two turns six (221 KiB). The soak's device budget holds every live session's features
 # (so nothing is evicted) but the KV of only a few besides the turns in flight: idle sessions
@@ -290,16 +291,31 @@ class Faults:
 
     def hold_idle_sessions(self) -> None:
         """Memory pressure: sessions that sit idle while the load needs the small budget, so
-        they are moved off the device and restored (or re-prefilled) when asked again."""
+        they are moved off the device and restored (or re-prefilled) when asked again. Each
+        is asked again half a TTL after its last call, by HOLDER_GROUPS threads at once, so a
+        slow machine's calls never leave one idle past the TTL."""
         drawn = [draw_shape(self.rng) for _ in range(HOLDERS)]
-        held = [(d, self.caller.open("fault:setup", self.source(d))) for d in drawn]
-        held = [(d, session_id) for d, session_id in held if session_id is not None]
+        groups = [drawn[i::HOLDER_GROUPS] for i in range(HOLDER_GROUPS)]
+        threads = [threading.Thread(target=self._hold, args=(group,)) for group in groups]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def _hold(self, drawn: list[Drawn]) -> None:
+        last: dict[str, float] = {}  # session id → when its last call ended
+        held = []
+        for d in drawn:
+            if (session_id := self.caller.open("fault:setup", self.source(d))) is not None:
+                held.append((d, session_id))
+                last[session_id] = time.monotonic()
         for _ in range(3):
-            time.sleep(TTL_S / 2)  # idle, but never past the TTL
             for d, session_id in held:
+                time.sleep(max(0.0, last[session_id] + TTL_S / 2 - time.monotonic()))
                 self.caller.ask_checked(
                     "fault:idle session asked again", session_id, COLOR_QUESTION, d.color
                 )
+                last[session_id] = time.monotonic()
         for _, session_id in held:
             self.caller.close("fault:setup", session_id)
 
@@ -457,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         if watch is not None:
             watch.stop.set()
             after = watch.settled(runtime)
-        callers = len(workers) + len(fault_threads)  # calls the soak may have in flight at once
+        # calls the soak may have in flight at once (the memory fault's own threads too)
+        callers = len(workers) + len(fault_threads) + HOLDER_GROUPS
         peak = watch.peak if watch else {}
         rows = table(books, faults.kill, before, after, peak, elapsed, args, callers)
     finally:
