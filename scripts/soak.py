@@ -237,11 +237,11 @@ class Faults:
     def schedule(self, start: float) -> list[threading.Thread]:
         plan = [
             (0.10, "slow", self.slow_url),
+            (0.15, "memory", self.hold_idle_sessions),  # over (~17 s) before the kill
             (0.20, "reset", self.reset_url),
-            (0.25, "memory", self.hold_idle_sessions),
             (0.30, "hangup", self.hang_up),
             (0.40, "big", self.big_images),
-            (0.50, "kill", self.kill_worker),
+            (0.70, "kill", self.kill_worker),
             (0.75, "hangup", self.hang_up),
             (0.80, "big", self.big_images),
         ]
