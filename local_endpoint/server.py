@@ -52,6 +52,8 @@ from llava_wire import (
     NEW_SESSION,
     NEW_SESSION_HEADER,
     SESSION_HEADER,
+    SESSION_LOST,
+    SESSION_NOT_FOUND,
 )
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Loss, Router
@@ -87,12 +89,12 @@ def unknown_session(session_id: str, loss: Loss | None) -> Rejected:
     if loss is None:
         return validation_error(
             f"Session {session_id} does not exist: it was never opened, or was closed or expired",
-            ErrorCode="SESSION_NOT_FOUND",
+            ErrorCode=SESSION_NOT_FOUND,
         )
     return validation_error(
         f"Session {session_id} was lost with {loss.instance}, whose worker died or stopped "
         f"answering ({loss.sessions} sessions lost with it): open a new session",
-        ErrorCode="SESSION_LOST",
+        ErrorCode=SESSION_LOST,
     )
 
 

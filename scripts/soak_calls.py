@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 
 from botocore.exceptions import ClientError
 
+from llava_wire import NOT_READY, SESSION_LOST, TURN_INTERRUPTED
+
 # The contract's "send it again" 503s (README, errors): a worker restarting with its sessions
 # (NOT_READY) or one that died under the call (TURN_INTERRUPTED). The soak sends such a call
 # again, as a client should, for at most RETRY_FOR_S; the 503 stays in the books.
-RETRYABLE = ("NOT_READY", "TURN_INTERRUPTED")
+RETRYABLE = (NOT_READY, TURN_INTERRUPTED)
 RETRY_FOR_S = 60.0
 
 
@@ -41,7 +43,7 @@ class Books:
     def add(self, outcome: Outcome, session_id: str | None) -> Outcome:
         with self.lock:
             self.outcomes.append(outcome)
-            if outcome.code == "SESSION_LOST":
+            if outcome.code == SESSION_LOST:
                 self.lost.add(session_id)
         return outcome
 
