@@ -266,9 +266,18 @@ class SessionStore:
             self._gone.popitem(last=False)
 
     def _forget_evicted(self) -> None:
-        """Sessions the manager evicted are gone, with that reason."""
+        """Sessions the manager evicted are gone, with that reason; one already idle past its
+        TTL is EXPIRED (it expired first: the manager evicts the least recently used, which is
+        often a session the sweep has not reached yet)."""
+        deadline = self._clock() - self.ttl_s
         for session_id in self.memory.drain_evicted():
-            if session_id in self._sessions:
+            session = self._sessions.get(session_id)
+            if session is None:
+                continue
+            if session.last_used <= deadline:
+                self._remove(session_id, EXPIRED)
+                self._count(expired=1)
+            else:
                 self._remove(session_id, EVICTED)
 
     def _sweep(self) -> int:

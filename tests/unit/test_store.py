@@ -151,6 +151,24 @@ def test_an_evicted_session_says_so(clock):
     store.check_integrity()
 
 
+def test_a_session_evicted_after_its_ttl_ran_out_says_expired(clock):
+    """The manager evicts the least recently used idle session, which may be one already past
+    its TTL that no sweep has reached: it expired first, and says so."""
+    store = new_store(clock=clock, blocks=9, ttl_s=60)
+    idle = make_session(store.memory, tokens=2, feature_rows=64)  # 3 of the 9 blocks
+    store.add(idle)
+    clock.now += 61  # past its TTL; no store call has swept it yet
+    newcomers = [make_session(store.memory, tokens=2, feature_rows=64) for _ in range(3)]
+    assert store.memory.stats().counters.evicted == 1  # the third newcomer needed its blocks
+    with pytest.raises(SessionNotFound) as err, store.use(idle.session_id):
+        pass
+    assert err.value.code == "SESSION_EXPIRED"
+    assert store.counters().expired == 1
+    for session in newcomers:
+        store.add(session)
+    store.check_integrity()
+
+
 def test_a_live_or_remembered_id_is_never_taken_twice(clock):
     store, went = gone_three_ways(clock)
     opened = store.counters().opened
