@@ -28,10 +28,8 @@ from typing import Protocol
 from llava.counters import Counters
 from llava.errors import SessionIdInUse, SessionNotFound
 from llava.memory import Holding, IntegrityError
-from llava.persist import NoJournal
+from llava.persist import REMEMBERED_GONE, NoJournal
 from llava.session import Session
-
-_REMEMBERED_IDS = 10_000
 
 # Why an id is gone → the error code its caller gets.
 CLOSED, EXPIRED, EVICTED = "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED"
@@ -262,7 +260,7 @@ class SessionStore:
 
     def _remember(self, session_id: str, reason: str) -> None:
         self._gone[session_id] = reason
-        while len(self._gone) > _REMEMBERED_IDS:
+        while len(self._gone) > REMEMBERED_GONE:
             self._gone.popitem(last=False)
 
     def _forget_evicted(self) -> None:

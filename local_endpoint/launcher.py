@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import boto3
 import psutil
 
 from local_endpoint.router import answers_ping
@@ -70,6 +69,9 @@ class LocalEndpoint:
     def runtime(self, config=None):
         """An unmodified boto3 sagemaker-runtime client for this endpoint (dummy credentials:
         the local endpoint checks no signature)."""
+        import boto3  # here, not at the top: the endpoint process imports this module for
+        # instance_env alone, and boto3 is most of its import time (~130 ms)
+
         return boto3.client(
             "sagemaker-runtime",
             endpoint_url=self.url,

@@ -48,6 +48,7 @@ from llava import session_ids
 from llava.errors import clip, echo
 from llava_client.limits import MAX_REQUEST_BYTES
 from llava_wire import (
+    CLOSE_SESSION,
     CLOSED_SESSION_HEADER,
     NEW_SESSION,
     NEW_SESSION_HEADER,
@@ -253,11 +254,11 @@ class _Handler(BaseHTTPRequestHandler):
         """To the session's instance. One restarting with the persistent tier keeps its
         sessions: a call meanwhile is ``NOT_READY``, one it dropped ``TURN_INTERRUPTED``.
         Otherwise ``BackendDown``: its sessions are lost."""
+        if not backend.serving():
+            if backend.coming_back():
+                raise front_error(not_ready_reply(f"instance {backend.name} is restarting"))
+            raise BackendDown(f"instance {backend.name} is not serving")
         try:
-            if not backend.serving():
-                if backend.coming_back():
-                    raise front_error(not_ready_reply(f"instance {backend.name} is restarting"))
-                raise BackendDown(f"instance {backend.name} is not serving")
             return self._forward(backend, body)
         except BackendDown as down:
             if backend.coming_back():
@@ -359,7 +360,7 @@ def _check_session_id(session_id: str) -> None:
 
 def _is_close(body: bytes) -> bool:
     try:
-        return json.loads(body).get("requestType") == "CLOSE_SESSION"
+        return json.loads(body).get("requestType") == CLOSE_SESSION
     except (ValueError, AttributeError):
         return False
 

@@ -33,7 +33,7 @@ from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.memory import MemoryBudget
 from llava.model import load_model
-from llava.persist import SessionJournal, Snapshot
+from llava.persist import FEATURES, STATE, SessionJournal, Snapshot
 from llava_wire import SESSION_HEADER
 from serving.mar import build_mar
 from serving.supervisor import Supervisor
@@ -90,12 +90,9 @@ def demo_entry_bytes(loaded) -> tuple[int, int]:
     session_id = engine.open(held_out_samples(1, seed=92_100)[0].image).session_id
     for question in QUESTIONS[:3]:
         engine.ask(session_id, question)
-    sizes = [
-        os.path.getsize(os.path.join(directory, f"{session_id}{s}"))
-        for s in (".features", ".state")
-    ]
+    sizes = entry_sizes(directory, session_id)
     shutil.rmtree(directory)
-    return sizes[0], sizes[1]
+    return sizes
 
 
 def seven_b_writes(repeats: int) -> tuple[int, int, float, float]:
@@ -112,9 +109,15 @@ def seven_b_writes(repeats: int) -> tuple[int, int, float, float]:
             start = time.perf_counter()
             journal.save(snapshot, extra)
             times.append((time.perf_counter() - start) * 1000)
-    sizes = [os.path.getsize(os.path.join(directory, f"s0{s}")) for s in (".features", ".state")]
+    sizes = entry_sizes(directory, "s0")
     shutil.rmtree(directory)
-    return sizes[0], sizes[1], statistics.median(opens), statistics.median(turns)
+    return *sizes, statistics.median(opens), statistics.median(turns)
+
+
+def entry_sizes(directory: str, session_id: str) -> tuple[int, int]:
+    """A session's features and state file bytes in the journal's directory."""
+    path = os.path.join(directory, session_id)
+    return os.path.getsize(path + FEATURES), os.path.getsize(path + STATE)
 
 
 def kill_to_answer(kills: int) -> list[float]:

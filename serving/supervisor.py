@@ -37,14 +37,14 @@ class Supervisor:
         window_s: float = 600.0,
         start_timeout_s: float = 180.0,
         log: Callable[[str], None] = print,
-        on_death: Callable[[], None] = lambda: None,  # e.g. the router forgets its sessions
     ):
         self.ts = ts
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.start_timeout_s = start_timeout_s
         self.log = log
-        self.on_death = on_death
+        # what a worker's death tells whoever routes to it (the local endpoint's router)
+        self.on_death: Callable[[], None] = lambda: None
         self.restarts: deque[float] = deque()  # monotonic times of the restarts in the window
         self._pid: int | None = None  # the READY worker we watch; None while (re)starting
         self.gave_up = False  # watch_in_thread ended: the instance is left down

@@ -1,4 +1,5 @@
-"""A local endpoint over real TorchServe instances, boto3 clients for it, and images to ask about.
+"""A local endpoint over real TorchServe instances, and images to ask about (its boto3 clients:
+LocalEndpoint.runtime).
 
 Nothing is mocked: boto3 signs and sends real HTTP to the local endpoint, which forwards to real
 TorchServe processes serving model-store/llava.mar. The credentials are dummies: the local
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import boto3
 
 from local_endpoint.launcher import LocalEndpoint
 from serving.mar import build_mar
@@ -39,11 +38,6 @@ def start_endpoint(run_dir: Path, instances: int, part_bytes: int = 0) -> LocalE
     )
     endpoint.start(timeout=180)
     return endpoint
-
-
-def runtime(endpoint: LocalEndpoint):
-    """An unmodified boto3 sagemaker-runtime client pointed at the local endpoint."""
-    return boto3.client("sagemaker-runtime", endpoint_url=endpoint.url, **DUMMY_CREDENTIALS)
 
 
 class ShapeImages:

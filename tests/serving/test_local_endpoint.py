@@ -19,7 +19,7 @@ from botocore.exceptions import ClientError
 
 from llava_client import LlavaClient, LlavaError, SessionGone
 from serving.torchserve import TorchServeInstance
-from tests.endpoint_helpers import ENDPOINT, ShapeImages, runtime, start_endpoint
+from tests.endpoint_helpers import ENDPOINT, ShapeImages, start_endpoint
 
 pytestmark = pytest.mark.torchserve
 INSTANCE = "x-local-endpoint-instance"
@@ -41,7 +41,7 @@ def images(demo_model):
 
 @pytest.fixture(scope="module")
 def rt(endpoint):
-    return runtime(endpoint)
+    return endpoint.runtime()
 
 
 @pytest.fixture(scope="module")

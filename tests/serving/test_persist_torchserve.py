@@ -27,7 +27,7 @@ from serving.mar import build_mar
 from serving.supervisor import Supervisor
 from serving.torchserve import TorchServeInstance, free_ports
 from tests.conftest import DEMO_MODEL_DIR, REPO
-from tests.endpoint_helpers import ENDPOINT, runtime
+from tests.endpoint_helpers import ENDPOINT
 from tests.intake_servers import image_bytes
 
 pytestmark = pytest.mark.torchserve
@@ -179,7 +179,7 @@ def test_the_client_goes_on_through_the_local_endpoint_without_replaying(tmp_pat
     try:
         assert (tmp_path / "sessions" / "instance-0").is_dir()  # the instance's own directory
         client = LlavaClient(
-            ENDPOINT, runtime=runtime(endpoint), busy_retries=40, max_retry_wait_s=2.0
+            ENDPOINT, runtime=endpoint.runtime(), busy_retries=40, max_retry_wait_s=2.0
         )
         image = image_bytes(held_out_samples(1, seed=91_000)[0].image)
         with client.open(image) as control:

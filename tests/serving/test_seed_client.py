@@ -16,7 +16,6 @@ from tests.endpoint_helpers import (
     DUMMY_CREDENTIALS,
     ENDPOINT,
     ShapeImages,
-    runtime,
     start_endpoint,
 )
 from tests.seed_client import LlavaChatSession
@@ -59,7 +58,7 @@ def test_the_seeds_client_chats_unmodified(endpoint, images, monkeypatch, pointe
 
 
 def test_our_client_opens_under_the_id_its_caller_chooses(endpoint, images):
-    client = LlavaClient(ENDPOINT, runtime=runtime(endpoint))
+    client = LlavaClient(ENDPOINT, runtime=endpoint.runtime())
     chosen = f"ticket-{uuid.uuid4().hex[:12]}"
     with client.open(images.url(0), session_id=chosen) as chat:
         assert chat.id == chosen
