@@ -39,16 +39,21 @@ def error_response(exc: BaseException) -> ErrorReply:
     """
     for cls in type(exc).__mro__:
         if cls in STATUS_BY_ERROR:
-            body = _body(exc.code, exc.message)
             retry_after_s = getattr(exc, "retry_after_s", None)
             if retry_after_s is None:
-                return ErrorReply(STATUS_BY_ERROR[cls], body)
-            body["error"]["retryAfterS"] = retry_after_s
-            seconds = str(max(1, math.ceil(retry_after_s)))
-            return ErrorReply(STATUS_BY_ERROR[cls], body, {"Retry-After": seconds})
+                return ErrorReply(STATUS_BY_ERROR[cls], _body(exc.code, exc.message))
+            return retry_reply(STATUS_BY_ERROR[cls], exc.code, exc.message, retry_after_s)
     logger.exception("unexpected error while serving a request", exc_info=exc)
     message = f"internal error: {type(exc).__name__}"
     return ErrorReply(INTERNAL_ERROR, _body("INTERNAL_ERROR", message))
+
+
+def retry_reply(status: int, code: str, message: str, retry_after_s: float) -> ErrorReply:
+    """A refusal that says when to come back: ``retryAfterS`` in the body, ``Retry-After`` in
+    whole seconds, rounded up (RFC 9110 §10.2.3)."""
+    body = _body(code, message)
+    body["error"]["retryAfterS"] = retry_after_s
+    return ErrorReply(status, body, {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
 def _body(code: str, message: str) -> dict:

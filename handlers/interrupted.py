@@ -5,16 +5,17 @@ connection drops; a streamed reply just stops. The container front (docker/front
 local endpoint turn these into the wire contract's terms: a 503 ``TURN_INTERRUPTED`` with
 ``Retry-After`` before any byte went out, and a last ``{"error": ...}`` line in a stream that
 ended without its final reply. The session itself continues from its last answered turn on the
-restarted worker (the persistent tier). Standard library and llava.errors only: the front and
-the client-side install import it without torch or TorchServe.
+restarted worker (the persistent tier). Standard library, llava.errors and llava_wire only: the
+front and the client-side install import it without torch or TorchServe.
 """
 
 from __future__ import annotations
 
 import json
 
-from handlers.errors import ErrorReply, error_response
+from handlers.errors import ErrorReply, error_response, retry_reply
 from llava.errors import TurnInterrupted
+from llava_wire import NOT_READY
 
 # TorchServe's status for "the worker died during this request" (README: TorchServe's answers).
 WORKER_DIED_STATUS = 507
@@ -39,9 +40,7 @@ def interrupted_reply(what: str) -> ErrorReply:
 
 def not_ready_reply(message: str) -> ErrorReply:
     """The 503 while the worker starts or restarts (sessions survive it: retry later)."""
-    seconds = NOT_READY_RETRY_AFTER_S
-    body = {"error": {"code": "NOT_READY", "message": message, "retryAfterS": seconds}}
-    return ErrorReply(503, body, {"Retry-After": str(int(seconds))})
+    return retry_reply(503, NOT_READY, message, NOT_READY_RETRY_AFTER_S)
 
 
 def interrupted_line(what: str) -> bytes:

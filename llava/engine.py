@@ -154,15 +154,13 @@ class Engine:
         for session_id, reason in loaded.gone.items():
             self.store.remember_gone(session_id, reason)
         for session_id in loaded.expired:
-            self.journal.remove(session_id, EXPIRED)  # noted for a later restart too
-            self.store.remember_gone(session_id, EXPIRED)
+            self.store.refuse_entry(session_id, EXPIRED)
         adopted = 0
         for entry in loaded.live:
             snapshot = entry.snapshot
             holding = self.memory.hold_features(entry.features)
             if holding is None:
-                self.journal.remove(snapshot.session_id, EVICTED)
-                self.store.remember_gone(snapshot.session_id, EVICTED)
+                self.store.refuse_entry(snapshot.session_id, EVICTED)
                 logger.warning(
                     "persistent tier: session %s not adopted: no room for its features",
                     snapshot.session_id,

@@ -274,7 +274,7 @@ class SessionJournal:
         return kept
 
     def _read(self, session_id: str) -> Persisted:
-        header, _ = self._unpack(session_id, STATE)
+        header, _, _ = self._unpack(session_id, STATE)
         try:
             snapshot = Snapshot(
                 session_id=header["sessionId"],
@@ -290,16 +290,14 @@ class SessionJournal:
             raise BadEntry("a state under another session's name")
         features = None
         if header["features"] is not None:
-            features_header, payload = self._unpack(session_id, FEATURES)
-            path = self._path(session_id, FEATURES)
-            with open(path, "rb") as f:
-                f.seek(-_DIGEST, os.SEEK_END)
-                if f.read(_DIGEST).hex() != header["features"]:
-                    raise BadEntry("features that are not the ones its state names")
+            features_header, payload, digest = self._unpack(session_id, FEATURES)
+            if digest.hex() != header["features"]:
+                raise BadEntry("features that are not the ones its state names")
             features = _tensor(features_header, payload)
         return Persisted(snapshot, features, header["features"])
 
-    def _unpack(self, session_id: str, suffix: str) -> tuple[dict, bytes]:
+    def _unpack(self, session_id: str, suffix: str) -> tuple[dict, bytes, bytes]:
+        """A verified entry file's header, payload and trailing digest."""
         path = self._path(session_id, suffix)
         try:
             data = path.read_bytes()
@@ -321,7 +319,7 @@ class SessionJournal:
             raise BadEntry("an unreadable header") from None
         if header.get("model") != self.model:
             raise BadEntry("another model's entry")
-        return header, body[_HEAD.size + length :]
+        return header, body[_HEAD.size + length :], digest
 
     # -- the gone log (the caller holds self._lock, or is load) -----------------------------
     def _note_gone(self, session_id: str, reason: str) -> None:

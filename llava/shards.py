@@ -59,17 +59,20 @@ def image_open_bytes(engine: Engine) -> int:
     )
 
 
-def shard_persistence(config: EngineConfig, index: int, count: int) -> dict[str, Any]:
-    """Shard ``index``'s persistent tier: with one shard, ``persist_dir`` itself; with
-    several, its own ``shard-<index>`` under it (a restarted worker, same device list, finds
-    each session on the shard that held it) and an even share of the directory's cap."""
+def shard_persistence(config: EngineConfig, count: int) -> list[dict[str, Any]]:
+    """Each shard's persistent tier: with one shard, ``persist_dir`` itself; with several,
+    shard k's own ``shard-<k>`` under it (a restarted worker, same device list, finds each
+    session on the shard that held it) and an even share of the directory's cap."""
     if config.persist_dir is None or count == 1:
-        return {}
+        return [{}] * count
     cap = check_directory(config.persist_dir, config.persist_max_bytes)
-    return {
-        "persist_dir": str(Path(config.persist_dir) / f"shard-{index}"),
-        "persist_max_bytes": cap // count,
-    }
+    return [
+        {
+            "persist_dir": str(Path(config.persist_dir) / f"shard-{k}"),
+            "persist_max_bytes": cap // count,
+        }
+        for k in range(count)
+    ]
 
 
 class ShardedEngine:
@@ -80,8 +83,7 @@ class ShardedEngine:
         self.ttl_s = engines[0].config.session_ttl_s  # for llava.reaper.Reaper
         self._lock = threading.Lock()
         self._home: dict[str, int] = {}  # session id → shard, live or remembered by it
-        self._opening_ids: set[str] = set()  # bound, their opens in flight
-        self._opening = [0] * len(engines)
+        self._opening: dict[str, int] = {}  # session id → shard, for the opens in flight
         self._in_flight = [0] * len(engines)
         self._failures = [0] * len(engines)  # requests failed in a row, per shard
         # The cost of one open in flight: what the latest open came to hold (at first, what
@@ -105,12 +107,9 @@ class ShardedEngine:
             budgets = [
                 memory_budget(config, d, host_bytes=host, sharing=on_device[d]) for d in devices
             ]
-            for index, (model, budget) in enumerate(zip(loaded, budgets, strict=True)):
-                shard_config = dataclasses.replace(
-                    config,
-                    device=str(model.device),
-                    **shard_persistence(config, index, len(devices)),
-                )
+            persistence = shard_persistence(config, len(devices))
+            for model, budget, persist in zip(loaded, budgets, persistence, strict=True):
+                shard_config = dataclasses.replace(config, device=str(model.device), **persist)
                 engines.append(Engine(model, shard_config, budget, **options))
         except BaseException:
             for engine in engines:
@@ -142,8 +141,7 @@ class ShardedEngine:
                 self._check_id_free(session_id)
             index = self._place()
             self._home[session_id] = index
-            self._opening_ids.add(session_id)
-            self._opening[index] += 1
+            self._opening[session_id] = index
         engine = self.shards[index]
         try:
             with self._running(index):
@@ -157,8 +155,7 @@ class ShardedEngine:
             raise
         finally:
             with self._lock:
-                self._opening_ids.discard(session_id)
-                self._opening[index] -= 1
+                del self._opening[session_id]
 
     def ask(self, session_id: str, *args, **kwargs) -> Answer:
         """``Engine.ask(session_id, question, parameters, on_token, cancelled=)`` on the
@@ -185,7 +182,7 @@ class ShardedEngine:
         reaped = sum(engine.store.reap() for engine in self.shards)
         with self._lock:
             for session_id, index in list(self._home.items()):
-                opening = session_id in self._opening_ids
+                opening = session_id in self._opening
                 if not opening and not self.shards[index].store.remembers(session_id):
                     del self._home[session_id]
         return reaped
@@ -232,7 +229,7 @@ class ShardedEngine:
         """Refuse an id being opened, or one its shard holds live or remembers
         (SessionIdInUse); a binding the shard has forgotten is dropped. Caller holds the
         lock."""
-        if session_id in self._opening_ids:
+        if session_id in self._opening:
             raise SessionIdInUse(
                 f"session id {session_id} is being opened by another request; choose another "
                 "id, or leave out 'extSessionID' to get a server-chosen one"
@@ -255,10 +252,12 @@ class ShardedEngine:
         if not ready:
             raise ShardFailed("no engine shard of this worker is serving; it must be restarted")
 
+        opening = Counter(self._opening.values())
+
         def key(i: int) -> tuple[int, int, int]:
             memory = self.shards[i].memory
             free = memory.pool.free_blocks * memory.pool.bytes_per_block
-            free += memory.opening_bytes() - self._opening[i] * self._open_bytes
+            free += memory.opening_bytes() - opening[i] * self._open_bytes
             return (-free, self._in_flight[i], i)
 
         return min(ready, key=key)

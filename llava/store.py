@@ -114,9 +114,17 @@ class SessionStore:
             self.memory.adopt(session.holding, session.session_id)
 
     def remember_gone(self, session_id: str, reason: str) -> None:
-        """An id a previous worker held that this one does not (EXPIRED meanwhile, or EVICTED
-        for want of room): it is answered with that reason, and closing it is idempotent."""
+        """An id a previous worker held and noted as gone (its gone log): it is answered with
+        that reason, and closing it is idempotent."""
         with self._lock:
+            self._remember(session_id, reason)
+
+    def refuse_entry(self, session_id: str, reason: str) -> None:
+        """A previous worker's session this one does not take (EXPIRED meanwhile, or EVICTED
+        for want of room): its entry goes with that reason (noted for a later restart too),
+        and the id is answered with it, as for a session removed here."""
+        with self._lock:
+            self.entries.remove(session_id, reason)
             self._remember(session_id, reason)
 
     def check_id_free(self, session_id: str) -> None:

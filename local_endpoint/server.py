@@ -58,7 +58,7 @@ from llava_wire import (
 )
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Loss, Router
-from serving.relay import CallerGone, cancel_turn, write_chunk
+from serving.relay import CallerGone, cancel_turn, pieces, write_chunk
 
 INSTANCE_HEADER = "X-Local-Endpoint-Instance"
 ERROR_CODE_HEADER = "X-Local-Endpoint-Error-Code"
@@ -315,13 +315,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         end = StreamEnd()
         try:
-            try:
-                while chunk := reply.read1(65536):
-                    end.feed(chunk)
-                    for part in _split(chunk, self.server.part_bytes):
-                        write_chunk(self.wfile, eventstream.payload_part(part))
-            except (OSError, http.client.HTTPException):
-                pass  # told below, in the stream's own terms
+            for chunk in pieces(reply):  # a broken upstream is told below, in the stream's terms
+                end.feed(chunk)
+                for part in _split(chunk, self.server.part_bytes):
+                    write_chunk(self.wfile, eventstream.payload_part(part))
             if not end.finished:  # what the container's front adds to a stream cut short
                 line = interrupted_line(f"instance {backend.name} broke the stream")
                 write_chunk(self.wfile, eventstream.payload_part(line))

@@ -40,7 +40,7 @@ from handlers.interrupted import (
 )
 from llava.errors import clip
 from llava_wire import NOT_READY, SESSION_HEADER
-from serving.relay import CallerGone, cancel_turn, write_chunk
+from serving.relay import CallerGone, cancel_turn, pieces, write_chunk
 
 # Per-connection headers (RFC 9110 §7.6.1): they describe one hop, so they are not forwarded.
 # Content-Length is set again for the body actually sent; Expect: 100-continue was answered here.
@@ -57,7 +57,6 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-RELAY_CHUNK = 64 * 1024
 STREAM_TYPE = "application/jsonlines"
 CANCEL_TIMEOUT_S = 10.0
 
@@ -147,7 +146,7 @@ class _FrontHandler(BaseHTTPRequestHandler):
             self.end_headers()
             end = StreamEnd()
             try:
-                for piece in _pieces(reply):
+                for piece in pieces(reply):
                     end.feed(piece)
                     write_chunk(self.wfile, piece)
                 if not end.finished:  # the worker died mid-stream: say so in the stream
@@ -194,13 +193,3 @@ class _FrontHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
         pass  # TorchServe's access log already records every forwarded request
-
-
-def _pieces(reply: http.client.HTTPResponse):
-    """Whatever has arrived of a streamed reply, no waiting; ends quietly where the upstream
-    broke off (the caller tells a finished stream from a broken one by its last line)."""
-    try:
-        while piece := reply.read1(RELAY_CHUNK):
-            yield piece
-    except (OSError, http.client.HTTPException):
-        return

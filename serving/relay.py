@@ -7,13 +7,26 @@ from __future__ import annotations
 
 import http.client
 import json
+from collections.abc import Iterator
 from typing import BinaryIO
 
 from llava_wire import CANCEL_TURN, SESSION_HEADER
 
+RELAY_CHUNK = 64 * 1024  # the most of a streamed reply passed on at once
+
 
 class CallerGone(Exception):
     """The caller hung up while its reply was being written."""
+
+
+def pieces(reply: http.client.HTTPResponse) -> Iterator[bytes]:
+    """Whatever has arrived of a streamed reply, no waiting; ends quietly where the upstream
+    broke off (the caller tells a finished stream from a broken one by its last line)."""
+    try:
+        while piece := reply.read1(RELAY_CHUNK):
+            yield piece
+    except (OSError, http.client.HTTPException):
+        return
 
 
 def write_chunk(wfile: BinaryIO, data: bytes) -> None:
