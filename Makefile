@@ -39,7 +39,7 @@ setup: $(VENV)/.installed
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/hadolint Dockerfile
-	$(VENV)/bin/shellcheck docker/entrypoint.sh scripts/build_and_push.sh
+	$(VENV)/bin/shellcheck docker/entrypoint.sh scripts/build_and_push.sh scripts/gpu_carry.sh
 
 # Every tier: tests/unit, tests/serving (real TorchServe, serving the demo model's .mar,
 # model-store/llava.mar), tests/container (the image's build side; the image itself runs under
@@ -88,11 +88,13 @@ bench: demo-mar
 	$(PY) -m scripts.bench_memory
 	$(PY) -m scripts.bench_persist
 
-# On a CUDA machine: the CUDA tests, the attention candidates and the engine's table on a
-# random-weight model of llava-1.5-7b's shape (scripts/gpu_check.py). Without CUDA: one
-# line, exit 0.
+# On a CUDA machine: preflight, the attention candidates, the engine's table on a
+# random-weight model of llava-1.5-7b's shape, the CUDA tests and two shards, each step
+# isolated, its JSON line in .run/gpu-check/results.jsonl (scripts/gpu_check.py). Without
+# CUDA: one line, exit 0. A lent GPU machine runs it without make setup:
+# python3 -u -m scripts.gpu_check --out $OUT (docs/design.md §GPU check).
 gpu-check: setup
-	$(PY) -m scripts.gpu_check
+	$(PY) -m scripts.gpu_check --out .run/gpu-check
 
 # Rebuilds and retrains the committed demo model (deterministic, ~minutes on 2 cores).
 build-demo-model: setup

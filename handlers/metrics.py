@@ -22,7 +22,7 @@ from ts.metrics.metric_type_enum import MetricTypes
 from llava.engine import Answer
 from llava.shards import ShardStats
 
-# (registry or memory counters, counter) → metric name
+# (registry, memory or runner counters, counter) → metric name
 _COUNTERS = {
     ("store", "opened"): "SessionsOpened",
     ("store", "closed"): "SessionsClosed",
@@ -31,6 +31,8 @@ _COUNTERS = {
     ("memory", "restored"): "SessionsRestoredFromHost",
     ("memory", "demoted"): "SessionsDemoted",
     ("memory", "evicted"): "SessionsEvicted",
+    ("runner", "attention_fallbacks"): "AttentionFallbacks",
+    ("runner", "graph_capture_failures"): "GraphCaptureFailures",
 }
 
 

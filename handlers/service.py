@@ -56,11 +56,11 @@ class LlavaService:
         # is not used, this one worker drives every device its setting names.
         config = load_config(archived, os.environ, context.system_properties["model_dir"])
         policy = IntakePolicy.from_mapping(config.intake)
-        try:  # the devices and memory settings are checked against this machine
+        try:  # the devices, memory and attention settings are checked against this machine
             engine = ShardedEngine.from_config(config)
+            warm_s = engine.warm_up()  # a forced flex attention that fails: SettingsError
         except SettingsError as e:
             raise e.from_source(setting_source(e.setting, os.environ)) from None
-        warm_s = engine.warm_up()
         logger.info(
             "loaded %s on %s (%s); warm-up %.2f s",
             config.model_dir,

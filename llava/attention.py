@@ -27,6 +27,12 @@ torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
 # dynamic row count failed to build (a C++ error in inductor's template) in some recompiles.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
+# The mask's query block. Each row is its own batch entry with one query, so any size covers
+# it; but the CUDA kernels skip every config whose BLOCK_M does not divide it (flex decoding's
+# BLOCK_M is at least 16 and grows with the GQA group; the main kernel's is 64 or 128), and a
+# block of 1 left none at all: no decode step could compile on any GPU. 128 divides them all.
+QUERY_BLOCK = 128
+
 
 def padded_rows(rows: int) -> int:
     """The bucket ``rows`` query rows are padded to (a multiple of 64 past the largest)."""
@@ -71,17 +77,20 @@ def paged_block_mask(
     full_count = (seen // block_tokens).to(torch.int32)
     partial_count = (seen % block_tokens != 0).to(torch.int32)
     partial_index = tables.gather(1, (positions // block_tokens)[:, None])
+    # CUDA's decoding kernel reads the full-block lists with the partial lists' strides: both
+    # must be laid out alike ([rows, 1, 1, pool blocks], contiguous), not an expanded view.
+    partial_lists = partial_index.view(rows, 1, 1, 1).expand(rows, 1, 1, pool_blocks).contiguous()
     return BlockMask(
         (1, pool_slots),
         partial_count.view(rows, 1, 1),
-        partial_index.view(rows, 1, 1, 1).expand(rows, 1, 1, pool_blocks),
+        partial_lists,
         full_count.view(rows, 1, 1),
         tables.view(rows, 1, 1, -1),
         None,
         None,
         None,
         None,
-        BLOCK_SIZE=(1, block_tokens),
+        BLOCK_SIZE=(QUERY_BLOCK, block_tokens),
         mask_mod=own_past,
     )
 

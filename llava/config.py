@@ -53,6 +53,11 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # "auto" → float16 on cuda (bfloat16 where supported), float32 on cpu
     attn_implementation: str = "sdpa"
+    # The step runner's decode attention (llava.runner.Runner): "flex" (one paged
+    # flex_attention call per layer), "sdpa" (one SDPA per sequence), or "auto": flex on CUDA,
+    # sdpa on CPU, and sdpa for good if flex fails there (docs/design.md §Step runner).
+    attention: str = "auto"
+    cuda_graphs: bool = True  # capture decode graphs on CUDA (docs/design.md §Decode graphs)
     session_ttl_s: float = 20 * 60
     session_budget_bytes: int | None = None
     session_budget_fraction: float = 0.8
@@ -125,6 +130,8 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "dtype": _one_of("auto", "float32", "float16", "bfloat16"),
     "attn_implementation": _one_of("sdpa", "eager", "flash_attention_2"),
+    "attention": _one_of("auto", "flex", "sdpa"),
+    "cuda_graphs": (lambda v: isinstance(v, bool), "true or false"),
     "session_ttl_s": (lambda v: _number(v) and v > 0, "a number of seconds > 0"),
     "session_budget_bytes": (
         lambda v: v is None or _positive_int(v),

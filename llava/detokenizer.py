@@ -27,14 +27,30 @@ class Detokenizer:
     def push(self, token_id: int) -> str:
         """The text ``token_id`` completes (empty while a character or merge is incomplete)."""
         self._ids.append(token_id)
-        chunk = self._stream.step(self._backend, token_id) or ""
+        chunk = None
+        if self._stream is not None:
+            try:
+                chunk = self._stream.step(self._backend, token_id) or ""
+            except Exception:  # tokenizers' own error type is a bare Exception
+                # DecodeStream gives up on some id sequences ("Invalid prefix encountered",
+                # seen from random 7B weights on a GPU): decode the whole answer from here on.
+                self._stream = None
+        if chunk is None:
+            chunk = self._rest(final=False)
         self._chunks.append(chunk)
         return chunk
 
     def flush(self) -> str:
         """After the last id: whatever was held back (an incomplete character decodes as U+FFFD)."""
-        full = self._backend.decode(self._ids, skip_special_tokens=True)
-        emitted = self.text
-        rest = full[len(emitted) :] if full.startswith(emitted) else ""
+        rest = self._rest(final=True)
         self._chunks.append(rest)
         return rest
+
+    def _rest(self, final: bool) -> str:
+        """What a whole decode of the ids adds to the text sent so far; before the end, an
+        incomplete character (U+FFFD) is held back, since its bytes may still complete."""
+        full = self._backend.decode(self._ids, skip_special_tokens=True)
+        if not final:
+            full = full.rstrip("\ufffd")
+        emitted = self.text
+        return full[len(emitted) :] if full.startswith(emitted) else ""

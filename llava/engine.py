@@ -29,7 +29,7 @@ from llava.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
 from llava.model import LoadedModel, load_model
 from llava.persist import model_identity, open_journal
 from llava.requests import Answer, Opened, OpenRequest, RequestContext, TurnRequest
-from llava.runner import Runner, StepInput
+from llava.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 from llava.sampling import Sampler
 from llava.scheduler import Scheduler
 from llava.session import Session
@@ -41,13 +41,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The registry's counters and the memory manager's tiers, one snapshot for metrics."""
+    """The registry's counters, the memory manager's tiers and the step runner's counters
+    (how often it degraded), one snapshot for metrics."""
 
     sessions_by_tier: dict[Tier, int]
     bytes_by_tier: dict[Tier, int]
     budget: MemoryBudget
     store: StoreCounters
     memory: MemoryCounters
+    runner: RunnerCounters
 
     @property
     def sessions(self) -> int:
@@ -100,7 +102,7 @@ class Engine:
         self.adopted = self._adopt_persisted()
         vocab = loaded.model.config.text_config.vocab_size
         sampler = Sampler(vocab, self.context.banned_ids, loaded.eos_token_ids, loaded.device)
-        self.runner = Runner(loaded.model, self.memory.pool, sampler)
+        self.runner = Runner(loaded.model, self.memory.pool, sampler, config.attention)
         scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps)
         on_idle = self.check_integrity if config.check_memory_when_idle else None
         self.loop = EngineLoop(self.runner, scheduler, time.monotonic, on_idle).start()
@@ -126,7 +128,12 @@ class Engine:
 
     def warm_up(self) -> float:
         """Run the vision tower, a prefill and a decode step once, outside any session, so the
-        first caller does not pay for lazy initialization. Returns the seconds it took."""
+        first caller does not pay for lazy initialization, then capture the decode graphs (CUDA,
+        ``cuda_graphs``). Returns the seconds it took.
+
+        The decode step makes the first flex call: under ``attention: auto`` a flex that
+        fails switches the runner to sdpa here (logged, counted), and no graphs are captured;
+        under ``attention: flex`` it fails the start with one line (SettingsError)."""
         start = time.perf_counter()
         size = self.loaded.processor.image_processor.crop_size
         pixels = self._pixels(Image.new("RGB", (size["width"], size["height"])))
@@ -141,9 +148,14 @@ class Engine:
             if self.memory.reserve(holding, len(ids) + 1, features) is None:
                 self.runner.step([StepInput(holding.kv, ids, features)])
                 self.runner.step([StepInput(holding.kv, ids[:1], None)])  # not an image token
+        except PagedAttentionFailed as e:  # only a forced flex lets it out (auto falls back)
+            raise SettingsError(
+                "attention", f"flex on {self.loaded.device}: {e} (auto would use sdpa)"
+            ) from e
         finally:
             self.memory.release(holding)
-        self.runner.capture_graphs(self.loop.scheduler.max_batch)  # CUDA only
+        if self.config.cuda_graphs:
+            self.runner.capture_graphs(self.loop.scheduler.max_batch)  # CUDA and flex only
 
     def _adopt_persisted(self) -> int:
         """Sessions a previous worker of this model left in the persistent tier continue here:
@@ -235,6 +247,7 @@ class Engine:
             memory.budget,
             counters,
             memory.counters,
+            self.runner.counters(),
         )
 
     def check_integrity(self) -> None:

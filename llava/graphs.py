@@ -6,12 +6,16 @@ Each bucket owns its input buffers; a step copies its rows into them and replays
 rows decode id 0 at position 0 of a scratch block that this object holds from the pool (so
 their K/V writes land nowhere that matters) and their ids are dropped. Graphs are captured at
 start-up from the smallest bucket up while the memory they take fits ``budget_bytes``; what
-each took (allocator-reserved bytes) and the capture time are recorded
+each took (allocator-reserved bytes) and the capture time are recorded. A bucket whose capture
+raises (the compile in its warm-up included) is left uncaptured, logged once and counted: its
+steps run eagerly, the worker serves on; running out of memory ends the captures, as before
 (docs/design.md §Decode graphs).
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +25,12 @@ import torch
 from llava.attention import BUCKETS
 from llava.decoding import Chooser
 from llava.sampling import SamplingRows
+
+logger = logging.getLogger(__name__)
+# The least memory decode graphs may take: on an H200 a demo model's 1 GiB pool (a twentieth:
+# 51 MiB) held no graph at all, and the 7B's seven buckets took 614 MiB
+# (docs/design.md §Decode graphs). It comes out of the device headroom, not out of the pool.
+GRAPHS_BUDGET_FLOOR = 512 << 20
 
 
 def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
@@ -86,6 +96,7 @@ class DecodeGraphs:
         self.steps: dict[int, StaticDecode] = {}
         self.reserved_bytes = 0  # allocator-reserved bytes the captured graphs added
         self.capture_s = 0.0
+        self.failed: dict[int, str] = {}  # bucket → why its capture raised (it runs eagerly)
         self._scratch = runner.pool.new_kv()
         self._scratch.reserve(1)  # counted in the pool's accounting like any held block
 
@@ -95,12 +106,15 @@ class DecodeGraphs:
 
     def capture(self, max_batch: int, budget_bytes: int) -> list[int]:
         """Capture the buckets up to ``max_batch`` while their memory fits ``budget_bytes``;
-        returns the buckets captured."""
+        returns the buckets captured. Out of memory ends the captures; any other error leaves
+        its bucket uncaptured (``failed``: logged once here, the batches it would hold run
+        eagerly) and the next bucket is tried."""
         device = self.runner.pool.kv.device
         start = time.perf_counter()
         largest = bucket_for(max_batch, self.buckets) or self.buckets[-1]
         for size in (b for b in self.buckets if b <= largest):
-            before = torch.cuda.memory_reserved(device)
+            _release_cached(device)
+            before = _reserved_bytes(device)
             step = StaticDecode.empty(
                 size, self.runner.pool_slots // self.runner.pool.block_tokens, device
             )
@@ -109,7 +123,15 @@ class DecodeGraphs:
                 _capture(self.runner, step)
             except torch.cuda.OutOfMemoryError:
                 break
-            added = torch.cuda.memory_reserved(device) - before
+            except Exception as e:  # a compile or capture that fails costs its bucket alone
+                self.failed[size] = one_line(e)
+                logger.warning(
+                    "decode graph of bucket %d not captured (its steps run eagerly): %s",
+                    size,
+                    self.failed[size],
+                )
+                continue
+            added = _reserved_bytes(device) - before
             if self.reserved_bytes + added > budget_bytes:
                 break
             self.reserved_bytes += added
@@ -129,6 +151,32 @@ class DecodeGraphs:
         step.fill(batch, choosers, self.scratch_block, self.runner.sampler)
         step.graph.replay()
         return step.out[: len(batch)].tolist()
+
+
+def one_line(error: BaseException) -> str:
+    """``Type: first line of the message``: what a warning says of an error, in one line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+# The CUDA-only pieces, module attributes so a CPU test can stand in for them.
+def capturable(device: torch.device) -> bool:
+    """Whether decode graphs can be captured on ``device`` (CUDA graphs: CUDA only)."""
+    return device.type == "cuda"
+
+
+def _reserved_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device)
+
+
+def _release_cached(device: torch.device) -> None:
+    """Free the allocator's unused cache now, as ``torch.cuda.graph`` does when a capture
+    starts: otherwise what that frees (other engines' memory, gone since) is subtracted from
+    the graph's bytes (seen on an H200: a test run measured -116 GB of graphs)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _capture(runner, step: StaticDecode) -> None:

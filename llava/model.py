@@ -34,9 +34,14 @@ class LoadedModel:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device ``name`` means; a CUDA device always with its index ("cuda" is the current
+    one): torch.cuda.set_device refuses a bare "cuda" (torch 2.11)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def shard_devices(setting: str) -> list[torch.device]:

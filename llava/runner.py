@@ -2,28 +2,51 @@
 
 The tokens of every sequence in the batch (a prefill tail or one decoded id each) are packed
 into one [tokens, hidden] matrix with no padding, so each layer's projections and MLP run as
-one batched matmul. Attention is chosen per device: on CUDA one call per layer for every
-decode row over the pool as it lies (llava.attention: a block mask from the block tables, no
-gather), on CPU one SDPA per sequence read in place (measured faster there); prefill chunks get
-one SDPA each. The step's index tensors are built once (llava.step_meta) and the next ids are
-chosen on the device (llava.sampling). The layers' own modules do the maths, so the weights,
-norms and rotary embedding are the checkpoint's (docs/design.md §Step runner).
+one batched matmul. Attention is the ``attention`` setting (EngineConfig.attention): ``flex``,
+one paged flex_attention call per layer for every decode row over the pool as it lies
+(llava.attention: a block mask from the block tables, no gather); ``sdpa``, one SDPA per
+sequence read in place; ``auto``, flex on CUDA and sdpa on CPU (measured faster there).
+Prefill chunks get one SDPA each. Under ``auto`` a flex call that raises (its compile, most
+likely; the engine's warm-up is the first to make one) switches the runner to sdpa for good,
+the step is run again, and the switch is logged once and counted; a forced ``flex`` lets the
+error out (PagedAttentionFailed). The step's index tensors are built once (llava.step_meta)
+and the next ids are chosen on the device (llava.sampling). The layers' own modules do the
+maths, so the weights, norms and rotary embedding are the checkpoint's
+(docs/design.md §Step runner).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from llava import graphs as decode_graphs
 from llava.attention import paged_attention
+from llava.counters import Counters
 from llava.decoding import Chooser
 from llava.generation import GenerationParams
-from llava.graphs import DecodeGraphs
+from llava.graphs import GRAPHS_BUDGET_FLOOR, DecodeGraphs, one_line
 from llava.kv_pool import KVPool, SessionKV, kv_geometry
 from llava.sampling import Sampler, SamplingRows
 from llava.step_meta import StepBuffers, StepMeta, build_step_meta, row_meta
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = ("auto", "flex", "sdpa")  # the values of EngineConfig.attention
+
+
+class PagedAttentionFailed(RuntimeError):
+    """The paged flex_attention call raised (its compile, most likely): ``auto`` attention
+    falls back to sdpa on it, a forced ``flex`` lets it out."""
+
+
+@dataclass(frozen=True)
+class RunnerCounters(Counters):
+    attention_fallbacks: int = 0  # flex raised under "auto": the runner switched to sdpa
+    graph_capture_failures: int = 0  # decode graph buckets whose capture raised (run eagerly)
 
 
 @dataclass(frozen=True)
@@ -61,8 +84,11 @@ def _layer_problem(layer) -> str | None:
 
 
 class Runner:
+    """``attention``: one of ATTENTION (see the module's docstring); ``self.attention`` is
+    the path in effect, "flex" or "sdpa"."""
+
     def __init__(
-        self, model, pool: KVPool, sampler: Sampler | None = None, attention: str | None = None
+        self, model, pool: KVPool, sampler: Sampler | None = None, attention: str = "auto"
     ):
         self.check(model)
         text = model.config.text_config
@@ -86,15 +112,17 @@ class Runner:
         self._buffers = StepBuffers(pool.kv.device)
         self._greedy = None  # the chooser of rows that bring none
         self.pool_slots = pool.kv.shape[3]
-        # "paged": one flex_attention call for every decode row; "per_sequence": one SDPA per
-        # sequence over its slots in place. Measured fastest: paged on CUDA (to be confirmed
-        # by make gpu-check), per_sequence on CPU (docs/design.md §Measured: attention candidates).
-        if attention is None:
-            attention = "paged" if pool.kv.device.type == "cuda" else "per_sequence"
-        if attention not in ("paged", "per_sequence"):
-            raise ValueError(f"attention must be 'paged' or 'per_sequence', got {attention!r}")
-        self.attention = attention
+        # "flex": one flex_attention call for every decode row; "sdpa": one SDPA per sequence
+        # over its slots in place. "auto" is the measured fastest: flex on CUDA (an H200: 0.98 ms a
+        # layer at 32 rows against the loop's 5.6), sdpa on CPU (docs/design.md §GPU check).
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+        self.attention_setting = attention
+        if attention == "auto":
+            attention = "flex" if pool.kv.device.type == "cuda" else "sdpa"
+        self.attention = attention  # the path in effect: "flex" or "sdpa"
         self.graphs = None  # llava.graphs.DecodeGraphs, when captured (CUDA)
+        self._counters = RunnerCounters()
 
     @classmethod
     def check(cls, model) -> None:
@@ -133,7 +161,7 @@ class Runner:
         len(ids). On an error no kv.length changes.
         """
         self._check(batch)
-        logits = self._logits(batch, self._meta(batch))
+        logits = self._eager_logits(batch)
         for item in batch:
             item.kv.length += len(item.ids)
         return logits
@@ -147,8 +175,7 @@ class Runner:
         choosers = [item.chooser or self._greedy_chooser() for item in batch]
         ids = self.graphs.run(batch, choosers) if self.graphs is not None else None
         if ids is None:
-            meta = self._meta(batch)
-            ids = self.sampler.sample(self._logits(batch, meta), choosers).tolist()
+            ids = self.sampler.sample(self._eager_logits(batch), choosers).tolist()
         for item in batch:
             item.kv.length += len(item.ids)
         return ids
@@ -167,13 +194,24 @@ class Runner:
 
     def capture_graphs(self, max_batch: int) -> DecodeGraphs | None:
         """On CUDA, capture decode graphs for the buckets up to ``max_batch`` whose memory
-        fits a twentieth of the pool's bytes (llava.graphs); elsewhere nothing (None)."""
-        if self.pool.kv.device.type != "cuda":
+        fits a twentieth of the pool's bytes, at least GRAPHS_BUDGET_FLOOR (llava.graphs);
+        elsewhere nothing (None). A bucket
+        whose capture raised is counted (``graph_capture_failures``) and runs eagerly.
+
+        Nothing either with sdpa attention: a graph replays ``decode``, whose attention is
+        always the paged flex call, so it would run the path that was set aside (by the
+        setting, or by a fallback because flex failed)."""
+        if self.attention != "flex" or not decode_graphs.capturable(self.pool.kv.device):
             return None
         graphs = DecodeGraphs(self)
-        graphs.capture(max_batch, self.pool.allocated_bytes // 20)
+        graphs.capture(max_batch, max(self.pool.allocated_bytes // 20, GRAPHS_BUDGET_FLOOR))
+        self._counters = self._counters.plus(graph_capture_failures=len(graphs.failed))
         self.graphs = graphs
         return graphs
+
+    def counters(self) -> RunnerCounters:
+        """A snapshot: how often the runner degraded (attention fallbacks, graphs not captured)."""
+        return self._counters
 
     def _greedy_chooser(self) -> Chooser:
         if self._greedy is None:
@@ -181,6 +219,25 @@ class Runner:
         return self._greedy
 
     # -- one step's pieces -----------------------------------------------------------------
+    def _eager_logits(self, batch: list[StepInput]) -> torch.Tensor:
+        """The step's logits, run eagerly. Under ``auto``, a flex call that raises switches the
+        runner to sdpa for good and the step runs again: nothing the failed try did counts
+        (no kv.length moved; its K/V writes land in the same reserved slots again)."""
+        try:
+            return self._logits(batch, self._meta(batch))
+        except PagedAttentionFailed as e:
+            if self.attention_setting != "auto":
+                raise
+            self._fall_back(e)
+        return self._logits(batch, self._meta(batch))
+
+    def _fall_back(self, error: PagedAttentionFailed) -> None:
+        # Graphs captured before (their flex compiled and ran) keep replaying; none are
+        # captured after (capture_graphs). At warm-up, the usual place, there are none yet.
+        self.attention = "sdpa"
+        self._counters = self._counters.plus(attention_fallbacks=1)
+        logger.warning("attention auto: switching to sdpa for good: %s", error)
+
     def _check(self, batch: list[StepInput]) -> None:
         """Every input is checked before anything changes."""
         if not batch:
@@ -208,7 +265,7 @@ class Runner:
             [item.kv.blocks for item in batch],
             self.pool.block_tokens,
             self.pool_slots,
-            per_sequence=self.attention == "per_sequence",
+            per_sequence=self.attention == "sdpa",
         )
 
     def _logits(self, batch: list[StepInput], meta: StepMeta) -> torch.Tensor:
@@ -264,11 +321,11 @@ class Runner:
         gqa = self.heads != self.kv_heads
         rows = attending.decode_rows
         if rows is None and not attending.prefills:  # a decode-only step
-            out = paged_attention(q, keys, values, attending.mask, attn.scaling)
+            out = _paged(q, keys, values, attending.mask, attn.scaling)
         else:
             out = torch.empty_like(q)
             if attending.mask is not None:
-                out[rows] = paged_attention(q[rows], keys, values, attending.mask, attn.scaling)
+                out[rows] = _paged(q[rows], keys, values, attending.mask, attn.scaling)
             for prefill in attending.prefills:  # prefills are compute-bound: one SDPA each
                 start, stop = prefill.span
                 out[start:stop] = F.scaled_dot_product_attention(
@@ -281,6 +338,17 @@ class Runner:
                 ).transpose(0, 1)
         out = out.reshape(tokens, -1)
         return attn.o_proj(out)
+
+
+def _paged(q, keys, values, mask, scale) -> torch.Tensor:
+    """``paged_attention``; whatever it raises but running out of memory (which the caller
+    handles as such) comes out as PagedAttentionFailed, so the runner knows flex failed."""
+    try:
+        return paged_attention(q, keys, values, mask, scale)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:
+        raise PagedAttentionFailed(f"paged flex_attention failed: {one_line(e)}") from e
 
 
 def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -29,12 +29,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from llava.attention import paged_attention
 from llava.step_meta import row_meta
+
+FLEX, LOOP = "flex paged (kept)", "SDPA loop (before)"
+DENSE = "dense SDPA (reference)"  # a floor: no paged pool gives this layout without a copy
 
 
 def main() -> None:
@@ -72,7 +76,8 @@ def main() -> None:
             )
 
 
-def measure(args, device, dtype) -> dict:
+def candidates(args, device, dtype) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each candidate's one-layer call over the same pool, queries and tables."""
     torch.manual_seed(0)
     bt, batch, context = args.block_tokens, args.batch, args.context
     blocks_each = -(-context // bt)
@@ -121,19 +126,25 @@ def measure(args, device, dtype) -> dict:
         )
         return out[:, :, 0]
 
-    candidates = {
-        "flex paged (kept)": flex,
-        "SDPA loop (before)": loop,
+    runs = {
+        FLEX: flex,
+        LOOP: loop,
         "padded gather + SDPA": padded_gather,
-        "dense SDPA (reference)": dense,
+        DENSE: dense,
     }
     if device.type == "cuda":
-        candidates["varlen_attn block_table"] = varlen_candidate(
+        runs["varlen_attn block_table"] = varlen_candidate(
             q, keys, values, tables[:, :blocks_each], context, bt, scale, gqa
         )
-    reference = loop()
+    return runs
+
+
+def measure(args, device, dtype) -> dict:
+    """name → (times, max |diff| against the loop), or (None, why it cannot run)."""
+    runs = candidates(args, device, dtype)
+    reference = runs[LOOP]()
     table, runnable = {}, {}
-    for name, run in candidates.items():
+    for name, run in runs.items():
         try:
             diff = (run().float() - reference.float()).abs().max().item()  # also compiles
         except Exception as error:  # a candidate this build or device cannot run
@@ -153,8 +164,6 @@ def measure(args, device, dtype) -> dict:
 def varlen_candidate(q, keys, values, tables, context, bt, scale, gqa):
     """torch.nn.attention.varlen.varlen_attn over the pool's blocks as [pages, page, heads, dim]
     (a strided view of the pool's [heads, slots, dim] layer: no copy)."""
-    from torch.nn.attention.varlen import varlen_attn
-
     heads, slots, dim = keys.shape
     paged_k = keys.view(heads, slots // bt, bt, dim).permute(1, 2, 0, 3)
     paged_v = values.view(heads, slots // bt, bt, dim).permute(1, 2, 0, 3)
@@ -163,9 +172,12 @@ def varlen_candidate(q, keys, values, tables, context, bt, scale, gqa):
     used = torch.full((batch,), context, dtype=torch.int32, device=q.device)
 
     def run():
+        from torch.nn.attention.varlen import varlen_attn  # not in every build: then "n/a"
+
+        grouped = {"enable_gqa": True} if gqa else {}  # torch 2.11 has no such argument
         return varlen_attn(
-            q, paged_k, paged_v, cu_q, None, 1, context, scale=scale, enable_gqa=gqa,
-            seqused_k=used, block_table=tables,
+            q, paged_k, paged_v, cu_q, None, 1, context, scale=scale, seqused_k=used,
+            block_table=tables, **grouped,
         )  # fmt: skip
 
     return run

@@ -37,6 +37,8 @@ COUNTERS = {
         "SessionsEvicted",
         "TurnNewTokens",
         "TurnCachedTokens",
+        "AttentionFallbacks",  # the worker degraded: flex attention failed, sdpa serves
+        "GraphCaptureFailures",  # decode graph buckets left eager
     )
 }
 HISTOGRAMS = {"TurnLatencySeconds": "Seconds", "TurnTimeToFirstTokenSeconds": "Seconds"}

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import re
 
-import boto3
-import botocore.config
-import botocore.exceptions
-
 from llava.errors import ImageFetchFailed, ImageSourceNotAllowed, InvalidRequest
 
 from .limits import Deadline, read_capped, too_large
@@ -40,9 +36,10 @@ def fetch_s3(uri: str, policy: IntakePolicy) -> bytes:
         raise ImageSourceNotAllowed(
             f"bucket {bucket} is not in intake.s3_buckets; add it there to permit it"
         )
+    boto3, botocore = _sdk()
     deadline = Deadline(policy.deadline_s)
     try:
-        response = _client(policy).get_object(Bucket=bucket, Key=key)
+        response = _client(boto3, botocore, policy).get_object(Bucket=bucket, Key=key)
         with response["Body"] as stream:
             if response["ContentLength"] > policy.max_bytes:
                 raise too_large(uri, policy.max_bytes)
@@ -54,7 +51,22 @@ def fetch_s3(uri: str, policy: IntakePolicy) -> bytes:
         raise ImageFetchFailed(f"cannot fetch {uri}: {e}") from e
 
 
-def _client(policy: IntakePolicy):
+def _sdk():
+    """boto3 and botocore, imported when an s3:// image arrives: the engine runs without them
+    (a GPU machine, a laptop with no AWS use); a missing SDK is the operator's to install."""
+    try:
+        import boto3
+        import botocore.config
+        import botocore.exceptions
+    except ImportError as e:
+        raise ImageFetchFailed(
+            f"cannot fetch s3:// images: {e.name} is not installed on the server; "
+            "pip install boto3, or send the image as url or b64"
+        ) from e
+    return boto3, botocore
+
+
+def _client(boto3, botocore, policy: IntakePolicy):
     # A fresh boto3 session per fetch (~0.1 s): boto3 sessions are not thread-safe, and this
     # picks up the current credentials. Retries are capped so that they fit the deadline.
     config = botocore.config.Config(
@@ -67,7 +79,8 @@ def _client(policy: IntakePolicy):
     )
 
 
-def _client_error(uri: str, error: botocore.exceptions.ClientError) -> ImageFetchFailed:
+def _client_error(uri: str, error) -> ImageFetchFailed:
+    """``error``: a botocore ClientError."""
     code = str(error.response.get("Error", {}).get("Code", ""))
     if code in _NOT_FOUND:
         return ImageFetchFailed(f"{uri} not found ({code}); check the bucket and key")

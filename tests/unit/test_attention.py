@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from llava.attention import paged_attention
+from llava.attention import QUERY_BLOCK, paged_attention
 from llava.step_meta import row_meta
 
 BT = 4  # small blocks: many partial and full blocks in a short sequence
@@ -70,6 +70,13 @@ def test_rows_of_prefills_and_decodes_equal_sdpa_per_sequence(kv_heads):
     torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
     expected_slots = [t[p // BT] * BT + p % BT for t, p in zip(row_tables, positions, strict=True)]
     assert write_slots.tolist() == expected_slots
+    # CUDA's flex kernels skip every config whose BLOCK_M (16 up to 128) does not divide the
+    # query block: a block of 1 compiled on CPU and on no GPU. The CPU kernel cannot see it.
+    assert mask.BLOCK_SIZE == (QUERY_BLOCK, BT) and QUERY_BLOCK % 128 == 0
+    # CUDA's decoding kernel reads the full lists with the partial lists' strides (an expanded
+    # partial list made every row but the first read another row's blocks, seen on an H200).
+    assert mask.kv_indices.stride() == mask.full_kv_indices.stride()
+    assert mask.kv_num_blocks.stride() == mask.full_kv_num_blocks.stride()
 
 
 def test_a_row_never_reads_another_sequences_blocks():

@@ -48,6 +48,9 @@ def test_defaults_and_good_values_load():
         ({"LLAVA_DEFAULT_MAX_NEW_TOKENS": "5000"}, "LLAVA_DEFAULT_MAX_NEW_TOKENS", "over max_new"),
         ({"LLAVA_TURN_DEADLINE_S": "60"}, "LLAVA_TURN_DEADLINE_S", "invocation limit"),
         ({"LLAVA_TURN_DEADLINE_S": "0"}, "LLAVA_TURN_DEADLINE_S", "> 0 and < 60"),
+        ({"LLAVA_ATTENTION": "paged"}, "LLAVA_ATTENTION", "'paged' is not one of auto, flex, sdpa"),
+        ({"LLAVA_CUDA_GRAPHS": "yes"}, "LLAVA_CUDA_GRAPHS", "'yes' is not true or false"),
+        ({"LLAVA_CUDA_GRAPHS": "0"}, "LLAVA_CUDA_GRAPHS", "0 is not true or false"),
     ],
 )
 def test_bad_environment_value_names_the_variable(environ, named, says):
@@ -66,6 +69,8 @@ def test_bad_environment_value_names_the_variable(environ, named, says):
         ({"sesion_ttl_s": 5}, "model-config.yaml handler.sesion_ttl_s", "unknown setting"),
         ({"model_dir": 7}, "model-config.yaml handler.model_dir", "a directory path"),
         ({"intake": ["x"]}, "model-config.yaml handler.intake", "not a JSON object"),
+        ({"attention": "SDPA"}, "model-config.yaml handler.attention", "one of auto, flex, sdpa"),
+        ({"cuda_graphs": "off"}, "model-config.yaml handler.cuda_graphs", "true or false"),
         (None, "model-config.yaml handler", "must be a mapping"),
     ],
 )
@@ -74,6 +79,21 @@ def test_bad_archived_value_names_the_yaml_key(archived, named, says):
         load_config(archived, {}, BASE)
     assert str(failure.value).startswith(f"bad setting {named}: ")
     assert says in str(failure.value)
+
+
+def test_attention_and_cuda_graphs_settings():
+    """auto and graphs on by default; the environment's plain strings and JSON booleans load;
+    a bad value built directly names its field."""
+    default = load_config({}, {}, BASE)
+    assert (default.attention, default.cuda_graphs) == ("auto", True)
+    environ = {"LLAVA_ATTENTION": "sdpa", "LLAVA_CUDA_GRAPHS": "false"}
+    config = load_config({"attention": "flex"}, environ, BASE)
+    assert (config.attention, config.cuda_graphs) == ("sdpa", False)
+    for field, value in (("attention", "paged"), ("attention", None), ("cuda_graphs", "true")):
+        with pytest.raises(SettingsError) as failure:
+            EngineConfig(model_dir="-", **{field: value})
+        assert failure.value.setting == field
+        assert str(failure.value).startswith(f"bad setting {field}: ")
 
 
 def test_environment_wins_and_is_blamed_only_for_its_own_value():

@@ -67,3 +67,29 @@ def test_an_unfinished_character_is_flushed_as_the_decoder_renders_it(tokenizer)
     chunks, detokenizer = stream(tokenizer, ids)
     assert chunks[-1] and set(chunks[-1]) == {"\ufffd"}  # one per orphan byte
     assert detokenizer.text == tokenizer.decode(ids)
+
+
+class GivesUp:
+    """A DecodeStream that raises as tokenizers' does on some id sequences ("Invalid prefix
+    encountered while decoding stream", seen from random 7B weights on a GPU)."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def step(self, _backend, _token_id):
+        self.after -= 1
+        if self.after < 0:
+            raise Exception("Invalid prefix encountered while decoding stream")
+        return None  # held back, as the real stream does mid-character
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_stream_that_gives_up_mid_answer_still_yields_the_whole_text(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detokenizer = Detokenizer(tokenizer)
+    detokenizer._stream = GivesUp(after=2)
+    chunks = [detokenizer.push(i) for i in ids]
+    assert all("\ufffd" not in chunk for chunk in chunks)  # incomplete characters wait
+    chunks.append(detokenizer.flush())
+    expected = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "".join(chunks) == detokenizer.text == expected

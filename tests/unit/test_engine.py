@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
+import llava.graphs
+import llava.runner
 from demo_model.synthetic import held_out_samples
-from llava.config import EngineConfig
+from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.errors import InvalidRequest, SessionNotFound
 from llava.memory import MemoryBudget
+from llava.runner import RunnerCounters
 from llava.session import Tier
 from tests.conftest import recognized_samples
 from tests.memory_helpers import FakeClock
@@ -206,3 +211,97 @@ def test_each_turn_announces_an_expiry_one_ttl_after_it(engine, clock, sample):
     answer = engine.ask(session_id, "What shape is it?")
     expected = datetime.now(UTC) + timedelta(seconds=60)
     assert abs((answer.expires_at - expected).total_seconds()) <= 2
+
+
+# -- the attention and cuda_graphs settings, and degrading instead of dying -----------------
+SMALL_BUDGET = MemoryBudget(64 << 20)
+
+
+def answers_of(engine: Engine, image, questions=CONVERSATION[:3]) -> list[tuple[int, ...]]:
+    """The greedy ids of a few turns of one session about ``image``."""
+    session_id = engine.open(image).session_id
+    return [engine.ask(session_id, q, {"max_new_tokens": MAX_NEW}).token_ids for q in questions]
+
+
+@pytest.fixture(scope="module")
+def image():
+    return held_out_samples(1, seed=35_000)[0].image
+
+
+@pytest.fixture(scope="module")
+def default_answers(demo_model, image):
+    return answers_of(Engine(demo_model, EngineConfig(model_dir="-"), SMALL_BUDGET), image)
+
+
+@pytest.mark.parametrize(
+    ("settings", "attention"),
+    [({"attention": "sdpa"}, "sdpa"), ({"cuda_graphs": False}, "sdpa"), ({}, "sdpa")],
+    ids=["sdpa", "no-graphs", "auto"],
+)
+def test_attention_and_graph_settings_answer_as_the_default(
+    demo_model, image, default_answers, settings, attention
+):
+    engine = Engine(demo_model, EngineConfig(model_dir="-", **settings), SMALL_BUDGET)
+    engine.warm_up()
+    assert engine.runner.attention == attention  # auto is sdpa on CPU
+    assert engine.runner.graphs is None
+    assert answers_of(engine, image) == default_answers
+
+
+def test_forced_flex_answers_as_the_default(demo_model, image, default_answers):
+    engine = Engine(demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET)
+    engine.warm_up()
+    assert engine.runner.attention == "flex"
+    assert answers_of(engine, image) == default_answers
+    assert engine.stats().runner == RunnerCounters()
+
+
+def broken_flex(calls: list):
+    """A stand-in for llava.attention.paged_attention whose compile fails, every time."""
+
+    def paged_attention(*args):
+        calls.append(len(args))
+        raise RuntimeError("flex_attention failed to compile\n<the compiler's long log>")
+
+    return paged_attention
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["at-warm-up", "at-a-turn"])
+def test_a_failing_flex_under_auto_falls_back_to_sdpa_once(
+    demo_model, image, default_answers, monkeypatch, caplog, warm
+):
+    calls: list = []
+    monkeypatch.setattr(llava.runner, "paged_attention", broken_flex(calls))
+    monkeypatch.setattr(llava.graphs, "capturable", lambda device: True)  # as on CUDA
+    engine = Engine(demo_model, EngineConfig(model_dir="-"), SMALL_BUDGET)
+    engine.runner.attention = "flex"  # what auto resolves to on CUDA
+    with caplog.at_level(logging.WARNING, logger="llava.runner"):
+        if warm:
+            engine.warm_up()
+            assert engine.runner.attention == "sdpa"
+        answers = answers_of(engine, image)
+    assert answers == default_answers  # the step that failed ran again, on sdpa
+    assert engine.runner.attention == "sdpa" and len(calls) == 1
+    assert engine.runner.graphs is None  # a graph would replay the flex call
+    assert engine.stats().runner == RunnerCounters(attention_fallbacks=1)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.runner"]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "sdpa" in warnings[0] and "RuntimeError: flex_attention failed to compile" in warnings[0]
+    engine.check_integrity()
+
+
+def test_a_failing_forced_flex_fails_the_warm_up_in_one_line(demo_model, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(llava.runner, "paged_attention", broken_flex(calls))
+    engine = Engine(demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET)
+    with pytest.raises(SettingsError) as failure:
+        engine.warm_up()
+    message = str(failure.value.from_source("LLAVA_ATTENTION"))  # as the handler names it
+    assert message.startswith(
+        "bad setting LLAVA_ATTENTION: flex on cpu: paged flex_attention failed: "
+        "RuntimeError: flex_attention failed to compile"
+    )
+    assert "\n" not in message and len(calls) == 1
+    assert engine.runner.attention == "flex" and engine.stats().runner == RunnerCounters()
+    assert engine.stats().total_bytes == 0  # the warm-up's holding went back
+    engine.stop()

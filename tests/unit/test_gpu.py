@@ -15,6 +15,10 @@ from llava.shards import ShardedEngine
 from tests.conftest import DEMO_MODEL_DIR
 from tests.unit.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
 
+# The demo model's engines get a bounded pool: the device's default share would be millions of
+# its tiny blocks, and every step's block tables and mask are as wide as the pool.
+POOL_BYTES = 1 << 30
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -24,7 +28,12 @@ pytestmark = [
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sessions_on_cuda_answer_and_reuse_their_cache(sample, dtype):
     engine = Engine.from_config(
-        EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype=dtype)
+        EngineConfig(
+            model_dir=str(DEMO_MODEL_DIR),
+            device="cuda",
+            dtype=dtype,
+            session_budget_bytes=POOL_BYTES,
+        )
     )
     assert engine.loaded.device.type == "cuda"
     session_id = engine.open(sample.image).session_id
@@ -58,7 +67,12 @@ def test_two_shards_on_one_gpu_load_there_and_split_its_memory():
 
 def test_a_turn_restored_from_pinned_host_memory_answers_as_never_moved(sample):
     """The CUDA host tier: pinned memory and a side stream (not run where there is no GPU)."""
-    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype="float32")
+    config = EngineConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        device="cuda",
+        dtype="float32",
+        session_budget_bytes=POOL_BYTES,
+    )
     engine = Engine.from_config(config)
     moved, kept = (engine.open(sample.image).session_id for _ in range(2))
     for session_id in (moved, kept):
@@ -87,7 +101,9 @@ def batched_and_alone(engine_for, images) -> tuple[list, list]:
 
 
 def cuda_engine(dtype: str, **options) -> Engine:
-    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype=dtype)
+    config = EngineConfig(
+        model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype=dtype, session_budget_bytes=POOL_BYTES
+    )
     engine = Engine.from_config(config, **options)
     engine.warm_up()  # captures the decode graphs
     return engine

@@ -1,18 +1,27 @@
 """Decode steps at static shapes (llava.graphs), on CPU: padded to a bucket they answer what
 the packed step answers, and the whole step is one graph for torch.compile (no graph break),
-which is what lets CUDA capture it. The capture itself runs only on CUDA (make gpu-check)."""
+which is what lets CUDA capture it. The capture itself runs only on CUDA (make gpu-check); its
+loop (a bucket that fails is left eager, out of memory stops) runs here with the CUDA pieces
+stood in for."""
 
 from __future__ import annotations
+
+import itertools
+import logging
 
 import pytest
 import torch
 
+import llava.graphs
 from demo_model.synthetic import held_out_samples
+from llava.config import EngineConfig
 from llava.decoding import Chooser
+from llava.engine import Engine
 from llava.generation import GenerationParams
-from llava.graphs import BUCKETS, StaticDecode, bucket_for
-from llava.runner import Runner, StepInput
+from llava.graphs import BUCKETS, DecodeGraphs, StaticDecode, bucket_for
+from llava.runner import Runner, RunnerCounters, StepInput
 from llava.sampling import Sampler
+from tests.unit.test_engine import SMALL_BUDGET, answers_of
 from tests.unit.test_runner import QUESTIONS, tiny_llava
 
 EOS = frozenset({2})
@@ -31,7 +40,7 @@ def decoding():
     pool = subject.pool()
     pool.kv.zero_()  # eager flex (the compile test's backend) scores every slot of the pool
     vocab = subject.model.config.text_config.vocab_size
-    runner = Runner(subject.model, pool, Sampler(vocab, [0, 1], EOS, "cpu"), attention="paged")
+    runner = Runner(subject.model, pool, Sampler(vocab, [0, 1], EOS, "cpu"), attention="flex")
     images = [s.image for s in held_out_samples(2, seed=34_000)] + [None, None]
     kvs = []
     for index, image in enumerate(images):
@@ -90,3 +99,112 @@ def test_the_decode_step_compiles_as_one_graph(decoding):
     with torch.inference_mode():
         eager = runner.decode(*step.inputs())
         assert torch.equal(compiled(*step.inputs()), eager)
+
+
+# -- the capture loop on CPU: llava.graphs' CUDA pieces stood in for -------------------------
+class EagerGraph:
+    """Stands in for a captured CUDA graph: a replay runs the step eagerly into its output."""
+
+    replays = 0
+
+    def __init__(self, runner, step: StaticDecode):
+        self.runner, self.step = runner, step
+
+    def replay(self) -> None:
+        EagerGraph.replays += 1
+        with torch.inference_mode():
+            self.step.out.copy_(self.runner.decode(*self.step.inputs()))
+
+
+class SevensGraph:
+    """Stands in for a captured graph whose step answers id 7 in every row (no model work)."""
+
+    def replay(self) -> None:
+        pass
+
+
+def capture_failing_at(bucket: int, error: BaseException, eager: bool = True):
+    """A stand-in for llava.graphs._capture that raises ``error`` for ``bucket``; the others
+    are "captured" as an EagerGraph (``eager``) or a SevensGraph."""
+
+    def capture(runner, step: StaticDecode) -> None:
+        if step.ids.shape[0] == bucket:
+            raise error
+        if eager:
+            with torch.inference_mode():
+                step.out = runner.decode(*step.inputs())
+            step.graph = EagerGraph(runner, step)
+        else:
+            step.out, step.graph = torch.full_like(step.ids, 7), SevensGraph()
+
+    return capture
+
+
+@pytest.fixture
+def cpu_captures(monkeypatch):
+    monkeypatch.setattr(llava.graphs, "capturable", lambda device: True)
+    monkeypatch.setattr(llava.graphs, "_reserved_bytes", lambda device: 0)
+
+
+@pytest.mark.parametrize(
+    ("error", "captured", "failed"),
+    [
+        (RuntimeError("inductor failed\nits log"), [1, 4], {2: "RuntimeError: inductor failed"}),
+        (torch.cuda.OutOfMemoryError("out of memory"), [1], {}),  # stops, as before
+    ],
+    ids=["error", "out-of-memory"],
+)
+def test_a_bucket_that_fails_to_capture_is_left_eager(
+    decoding, cpu_captures, monkeypatch, caplog, error, captured, failed
+):
+    runner, kvs, _other = decoding
+    monkeypatch.setattr(llava.graphs, "_capture", capture_failing_at(2, error, eager=False))
+    graphs = DecodeGraphs(runner)
+    with caplog.at_level(logging.WARNING, logger="llava.graphs"):
+        assert graphs.capture(4, budget_bytes=1 << 30) == captured
+    assert graphs.failed == failed
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.graphs"]
+    assert warnings == [
+        f"decode graph of bucket {size} not captured (its steps run eagerly): {why}"
+        for size, why in failed.items()
+    ]
+    two = decode_batch(kvs)[:2]
+    assert graphs.run(two[:1], [i.chooser for i in two[:1]]) == [7]
+    expected = [7, 7] if 4 in captured else None  # a batch of 2 fits only bucket 4
+    assert graphs.run(two, [i.chooser for i in two]) == expected
+
+
+def test_an_engine_whose_graph_capture_fails_answers_as_the_default(
+    demo_model, cpu_captures, monkeypatch, caplog
+):
+    failure = RuntimeError("capture failed\nCUDA error: operation not permitted when capturing")
+    monkeypatch.setattr(llava.graphs, "_capture", capture_failing_at(2, failure))
+    image = held_out_samples(1, seed=35_000)[0].image
+    engine = Engine(
+        demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET, max_batch=2
+    )
+    with caplog.at_level(logging.WARNING, logger="llava.graphs"):
+        engine.warm_up()
+    assert sorted(engine.runner.graphs.steps) == [1]
+    assert engine.runner.graphs.failed == {2: "RuntimeError: capture failed"}
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.graphs"]
+    assert len(warnings) == 1 and "bucket 2" in warnings[0] and "capture failed" in warnings[0]
+    assert engine.stats().runner == RunnerCounters(graph_capture_failures=1)
+    replays = EagerGraph.replays
+    reference = Engine(demo_model, EngineConfig(model_dir="-"), SMALL_BUDGET)
+    assert answers_of(engine, image) == answers_of(reference, image)
+    assert EagerGraph.replays > replays  # the captured bucket served the decode steps
+
+
+def test_a_small_pool_still_gets_graphs_up_to_the_floor(decoding, cpu_captures, monkeypatch):
+    """A twentieth of a small pool holds no graph (seen on an H200 with a 1 GiB pool): the
+    graphs' budget is never under GRAPHS_BUDGET_FLOOR, and captures stop past it."""
+    runner, _kvs, _other = decoding
+    assert runner.pool.allocated_bytes // 20 < 40 << 20
+    never = capture_failing_at(0, RuntimeError("no bucket 0"), eager=False)
+    monkeypatch.setattr(llava.graphs, "_capture", never)
+    readings = itertools.count(step=100 << 20)  # each capture reads before and after: +100 MiB
+    monkeypatch.setattr(llava.graphs, "_reserved_bytes", lambda device: next(readings))
+    graphs = runner.capture_graphs(64)
+    assert sorted(graphs.steps) == [1, 2, 4, 8, 16]  # 5 x 100 MiB fit 512 MiB, a sixth not
+    assert graphs.reserved_bytes == 500 << 20

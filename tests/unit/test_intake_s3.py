@@ -8,6 +8,10 @@ policies: S3 answers AccessDenied as it would to a role without s3:GetObject.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import boto3
 import pytest
 from moto.core.authorization import enable_iam_authentication
@@ -104,3 +108,28 @@ def test_unreachable_endpoint_is_a_fetch_failure(s3):
     policy = IntakePolicy(s3_endpoint_url="http://127.0.0.1:9", s3_region="us-east-1")
     with pytest.raises(ImageFetchFailed, match="cannot fetch"):
         load_image({"s3": f"s3://{BUCKET}/cat.png"}, policy)
+
+
+def test_the_engine_imports_and_serves_without_boto3():
+    """The GPU machine and an engine-only install have no boto3: the engine, its settings and
+    intake import without it; only an s3:// image needs it, and then says so."""
+    blocked = textwrap.dedent(
+        """
+        import sys
+        sys.modules["boto3"] = sys.modules["botocore"] = None  # any import of them fails
+        from llava.config import EngineConfig
+        from llava.engine import Engine
+        from llava.errors import ImageFetchFailed
+        from llava.intake import load_image
+        EngineConfig(model_dir="m", intake={"s3_buckets": ["b-1"]})
+        try:
+            load_image({"s3": "s3://b-1/k.png"})
+        except ImageFetchFailed as e:
+            print(e)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "boto3 is not installed on the server; pip install boto3" in done.stdout

@@ -18,12 +18,13 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, DynamicCache, LlavaConfig, LlavaForConditionalGeneration
 
+import llava.runner
 from demo_model.evaluation import QUESTIONS
 from demo_model.synthetic import held_out_samples
 from llava.decoding import prefill
 from llava.kv_pool import KVPool
 from llava.prompt import ChatPrompt, user_message
-from llava.runner import Runner, StepInput
+from llava.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 
 LLAVA_15 = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 TINY_IMAGE_PX = 56  # 16 image tokens of 14 px patches
@@ -178,7 +179,7 @@ def fragment(pool: KVPool) -> None:
     assert b"\x01\x01" not in pool._free_map  # no two free blocks are adjacent
 
 
-ATTENTION = pytest.mark.parametrize("attention", ["paged", "per_sequence"])
+ATTENTION = pytest.mark.parametrize("attention", ["flex", "sdpa"])
 
 
 @ATTENTION
@@ -286,6 +287,44 @@ def test_stepping_one_sequence_never_changes_anothers_kv(demo):
     before = runner.pool.kv[..., slots, :].clone()
     drive(runner, [sequence(runner.pool, chunks, 40, [])], [0])  # crosses several blocks
     assert torch.equal(runner.pool.kv[..., slots, :], before)
+
+
+# -- attention: the setting's values, and a flex call that fails ---------------------------
+def test_attention_takes_the_settings_values(demo):
+    runner = Runner(demo.model, demo.pool())
+    assert (runner.attention_setting, runner.attention) == ("auto", "sdpa")  # auto on CPU
+    assert Runner(demo.model, demo.pool(), attention="flex").attention == "flex"
+    with pytest.raises(ValueError, match="one of auto, flex, sdpa, got 'paged'"):
+        Runner(demo.model, demo.pool(), attention="paged")
+
+
+def test_a_failing_flex_step_changes_nothing_and_auto_runs_it_again_on_sdpa(demo, monkeypatch):
+    """Forced flex: the error comes out and no kv.length moved. Auto (resolved to flex, as on
+    CUDA): the same step runs again on sdpa and gives sdpa's logits."""
+    chunks = demo.chunks(held_out_samples(1, seed=33_500)[0].image, [QUESTIONS[0]])
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this shape\n<log>")
+
+    logits = {}
+    for attention in ("flex", "auto", "sdpa"):
+        runner = Runner(demo.model, demo.pool(), attention=attention)
+        runner.attention = "flex" if attention == "auto" else runner.attention
+        kv = runner.pool.new_kv()
+        kv.reserve(sum(len(ids) for ids, _ in chunks) + 1)
+        for ids, features in chunks:  # prefills alone: no flex call
+            runner.step([StepInput(kv, ids, features)])
+        length = kv.length
+        with monkeypatch.context() as patch:
+            patch.setattr(llava.runner, "paged_attention", broken)
+            if attention == "flex":
+                with pytest.raises(PagedAttentionFailed, match="RuntimeError: no kernel for"):
+                    runner.step([StepInput(kv, [7], None)])
+                assert kv.length == length and runner.counters() == RunnerCounters()
+                continue
+            logits[attention] = runner.step([StepInput(kv, [7], None)])
+        assert kv.length == length + 1 and runner.attention == "sdpa"
+    torch.testing.assert_close(logits["auto"], logits["sdpa"], rtol=0, atol=0)
 
 
 # -- refusals ------------------------------------------------------------------------------

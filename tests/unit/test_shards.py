@@ -322,13 +322,12 @@ def test_a_shard_that_cannot_be_built_fails_the_start_and_stops_the_others(demo_
     assert len(built) == 1 and not built[0].loop.alive
 
 
-def test_gpu_checks_shard_table_runs_on_two_cpu_shards(capsys):
+def test_gpu_checks_shard_table_runs_on_two_cpu_shards():
     """make gpu-check runs it on "cuda:0,cuda:0"; here its code path on the CPU."""
-    from scripts.gpu_check import shard_table
+    from scripts.gpu_steps import shard_table
 
-    shard_table("cpu,cpu", sessions=4, new_tokens=3, session_budget_bytes=300 * BLOCK)
-    rows = capsys.readouterr().out.splitlines()[-2:]
-    assert [row.split()[:4] for row in rows] == [["0", "cpu", "2", "12"], ["1", "cpu", "2", "12"]]
+    _tokens_per_s, rows = shard_table("cpu,cpu", 4, 3, 300 * BLOCK)
+    assert rows == [("cpu", 2, 12), ("cpu", 2, 12)]
 
 
 def test_a_restarted_two_shard_worker_continues_each_session_on_its_shard(images, tmp_path):

@@ -1,0 +1,402 @@
+"""The steps of ``scripts.gpu_check``, each a function that fills a dict of figures.
+
+A step runs in its own process (scripts.gpu_check isolates them), on CUDA or, with
+``--device cpu``, on the CPU with the same code at a shrunk size (no graph capture there: the
+captured call is replayed eagerly), so only CUDA-specific failures are left for a GPU machine.
+Figures are written as they are found (``Figures``): a step cut off by its time budget still
+reports what it measured (docs/design.md §GPU check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
+DEMO_MODEL = REPO / "models" / "demo-llava"
+QUESTIONS = ["What is in the picture?", "Describe it in more detail.", "And the colours?"]
+MiB, GiB = 1 << 20, 1 << 30
+# The CUDA tests, by file: named, so that no module needing boto3, moto or TorchServe is
+# collected on a GPU machine that has none of them.
+CUDA_TEST_FILES = ("tests/unit/test_gpu.py",)
+# The 7B's shape on the CPU (--device cpu): the same code at a size two cores run in seconds.
+SHRUNK_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16}  # fmt: skip
+SHRUNK_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                 "num_attention_heads": 2}  # fmt: skip
+
+
+class Figures(dict):
+    """A step's figures, each also written to ``path`` as soon as it is set."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def __setitem__(self, key: str, value) -> None:
+        super().__setitem__(key, value)
+        self.path.write_text(json.dumps(self, default=str))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run measures: the GPU's sizes, or the CPU's shrunk ones."""
+
+    device: torch.device
+    sessions: tuple[int, ...]
+    new_tokens: int
+    turn_tokens: int  # tokens of each of the 9 turns before turn 10
+    decode_tokens: int  # tokens of each of the 3 answers timed at one session
+    history: int  # tokens of the session restored from the host tier
+    shard_sessions: int
+    rounds: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cuda else torch.float32
+
+    @classmethod
+    def for_device(cls, device: str, args: argparse.Namespace) -> Plan:
+        if device == "cpu":
+            return cls(torch.device("cpu"), (2, 4), 8, 4, 16, 700, 4, 3)
+        return cls(
+            torch.device("cuda", torch.cuda.current_device()),
+            tuple(args.sessions),
+            args.new_tokens,
+            32,
+            128,
+            2000,
+            args.shard_sessions,
+            7,
+        )
+
+
+def device_name(plan: Plan) -> str:
+    return torch.cuda.get_device_name(plan.device) if plan.cuda else "cpu"
+
+
+def sync(plan: Plan) -> None:
+    if plan.cuda:
+        torch.cuda.synchronize(plan.device)
+
+
+# -- preflight ------------------------------------------------------------------------------
+def preflight(plan: Plan, figures: Figures) -> None:
+    """Versions, what Triton needs to compile, one compile of the paged call at the 7B's
+    attention shape checked against SDPA, one graph capture and replay of it."""
+    from scripts.bench_attention import FLEX, LOOP, candidates
+
+    figures["python"] = platform.python_version()
+    figures["torch"] = torch.__version__
+    for package in ("transformers", "triton", "pytest"):
+        figures[package] = _version(package)
+    figures["cuda"] = torch.version.cuda
+    figures["c_compiler"] = shutil.which("gcc") or shutil.which("cc")  # Triton builds with it
+    figures["python_h"] = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    if plan.cuda:
+        properties = torch.cuda.get_device_properties(plan.device)
+        figures["capability"] = f"{properties.major}.{properties.minor}"
+        figures["memory_gib"] = round(properties.total_memory / GiB, 1)
+        figures["driver"] = _driver()
+    shape = argparse.Namespace(batch=8 if plan.cuda else 2, context=650 if plan.cuda else 40,
+                               heads=32, kv_heads=32, head_dim=128, block_tokens=16)  # fmt: skip
+    with torch.inference_mode():
+        runs = candidates(shape, plan.device, plan.dtype)
+        expected = runs[LOOP]()
+        start = time.perf_counter()
+        compiled = runs[FLEX]()
+        sync(plan)
+        figures["paged_compile_s"] = round(time.perf_counter() - start, 2)
+        figures["paged_vs_sdpa_max_diff"] = _diff(compiled, expected)
+        start = time.perf_counter()
+        replayed = _capture_and_replay(runs[FLEX], plan)
+        figures["graph_capture_s"] = round(time.perf_counter() - start, 2)
+        figures["graph_vs_eager_max_diff"] = _diff(replayed, compiled)
+    tolerance = 2e-2 if plan.dtype == torch.bfloat16 else 1e-4
+    if figures["paged_vs_sdpa_max_diff"] > tolerance:
+        raise AssertionError(f"the compiled paged call differs from SDPA by more than {tolerance}")
+    if figures["graph_vs_eager_max_diff"] != 0:
+        raise AssertionError("the replayed graph differs from the eager call")
+
+
+def _capture_and_replay(call, plan: Plan) -> torch.Tensor:
+    """``call`` captured in a CUDA graph and replayed; on the CPU, called again."""
+    if not plan.cuda:
+        return call()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # warm-up off the capture: the allocator and lazy init
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    sync(plan)
+    return out
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    done = subprocess.run(query, capture_output=True, text=True, timeout=20)
+    return done.stdout.strip() or None
+
+
+# -- attention ------------------------------------------------------------------------------
+def attention(plan: Plan, figures: Figures) -> None:
+    """One layer's decode attention candidates at the 7B's shape (scripts/bench_attention.py):
+    each one's median ms at 1 and 32 rows of 650 tokens, and which was fastest."""
+    from scripts.bench_attention import DENSE, measure
+
+    for batch in (1, 32) if plan.cuda else (1, 4):
+        shape = argparse.Namespace(batch=batch, context=650 if plan.cuda else 64, heads=32,
+                                   kv_heads=32, head_dim=128, block_tokens=16,
+                                   rounds=plan.rounds)  # fmt: skip
+        with torch.inference_mode():
+            table = measure(shape, plan.device, plan.dtype)
+        times = {}
+        diffs = {}
+        for name, (runs, diff) in table.items():
+            times[name] = round(statistics.median(runs) * 1e3, 3) if runs else f"n/a: {diff}"
+            diffs[name] = diff if runs else None
+            print(f"{batch:>3} rows  {name:<28} {times[name]}  max |diff| {diffs[name]}")
+        figures[f"ms_{batch}_rows"] = times
+        figures[f"max_diff_{batch}_rows"] = diffs
+        measured = {name: ms for name, ms in times.items()
+                    if isinstance(ms, float) and name != DENSE}  # fmt: skip
+        figures[f"fastest_{batch}_rows"] = min(measured, key=measured.get)
+
+
+# -- table ----------------------------------------------------------------------------------
+def random_7b(plan: Plan):
+    """llava-1.5-7b's exact shape with random weights (shrunk on the CPU), loaded as the
+    engine loads a checkpoint: its real tokenizer, processor and chat template."""
+    from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
+
+    from llava.imageprep import image_aspect_ratio
+    from llava.model import LoadedModel, _eos_ids
+    from llava.prompt import ChatPrompt
+
+    values = json.loads((FIXTURE / "config.json").read_text())
+    if not plan.cuda:
+        values["text_config"].update(SHRUNK_TEXT)
+        values["vision_config"].update(SHRUNK_VISION)
+    dtype = str(plan.dtype).removeprefix("torch.")
+    for part in (values, values["text_config"], values["vision_config"]):
+        part.pop("torch_dtype", None)  # the checkpoint's float16 would win over ours
+        part["dtype"] = dtype
+    config = LlavaConfig.from_dict(values)
+    torch.manual_seed(0)
+    with plan.device:
+        # transformers 5.17 builds the projector in float32 whatever the config says
+        model = LlavaForConditionalGeneration(config).to(plan.dtype).eval()
+    processor = AutoProcessor.from_pretrained(FIXTURE)
+    return LoadedModel(
+        model=model,
+        processor=processor,
+        prompt=ChatPrompt(processor),
+        device=plan.device,
+        dtype=plan.dtype,
+        eos_token_ids=_eos_ids(model, processor.tokenizer),
+        max_positions=config.text_config.max_position_embeddings,
+        image_aspect_ratio=image_aspect_ratio(config),
+    )
+
+
+def table(plan: Plan, figures: Figures) -> None:
+    """The engine on the 7B shape: graph capture, decode at 1 session, turn-10 TTFT with KV
+    against re-prefilling, tokens/s at each session count, restore from the host tier against
+    recompute, allocator-reserved against accounted bytes."""
+    from demo_model.synthetic import held_out_samples
+    from llava.config import EngineConfig
+    from llava.engine import Engine, memory_budget
+
+    start = time.perf_counter()
+    loaded = random_7b(plan)
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    figures["weights_gib"] = round(weights / GiB, 2)
+    figures["build_s"] = round(time.perf_counter() - start, 1)
+    # As served on a GPU (the engine's own budget rule and attention choice); on the CPU a
+    # bounded pool, and the paged flex path CUDA takes rather than the CPU's own choice.
+    if plan.cuda:
+        config = EngineConfig(model_dir=str(FIXTURE))
+    else:
+        config = EngineConfig(model_dir=str(FIXTURE), session_budget_bytes=256 * MiB,
+                              attention="flex")  # fmt: skip
+    budget = memory_budget(config, plan.device)
+    engine = Engine(loaded, config, budget, max_batch=max(plan.sessions))
+    try:
+        with torch.inference_mode():
+            _engine_figures(engine, plan, figures, held_out_samples, weights)
+    finally:
+        engine.stop()
+
+
+def _engine_figures(engine, plan: Plan, figures: Figures, samples, weights: int) -> None:
+    from llava.memory import Tier
+    from scripts.bench_concurrency import sessions_at_once
+    from scripts.bench_memory import grown_session, turn_latency
+
+    figures["pool_gib"] = round(engine.memory.pool.allocated_bytes / GiB, 2)
+    figures["warm_up_s"] = round(engine.warm_up(), 1)
+    figures["attention_path"] = engine.runner.attention
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        figures["graph_buckets"] = sorted(graphs.steps)
+        figures["capture_s"] = round(graphs.capture_s, 1)
+        figures["graphs_mib"] = round(graphs.reserved_bytes / MiB)
+    images = [s.image for s in samples(max(plan.sessions), seed=80_000)]
+
+    one = engine.open(images[0]).session_id
+    per_token = []
+    forced = {"max_new_tokens": plan.decode_tokens, "min_new_tokens": plan.decode_tokens}
+    for _ in range(3):
+        answer = engine.ask(one, QUESTIONS[1], forced)
+        per_token.append((answer.total_s - answer.ttft_s) / (len(answer.token_ids) - 1))
+    engine.close(one)
+    figures["decode_ms_per_token_1"] = round(statistics.median(per_token) * 1e3, 2)
+
+    # Turn 10 with the session's KV, then the same turn after dropping the KV: re-prefilling
+    # the whole conversation from the features, as a stateless server would every turn.
+    session = engine.open(images[0]).session_id
+    turn = {"max_new_tokens": plan.turn_tokens, "min_new_tokens": plan.turn_tokens}
+    for index in range(9):
+        engine.ask(session, QUESTIONS[index % 3], turn)
+    forced = {"max_new_tokens": plan.new_tokens, "min_new_tokens": plan.new_tokens}
+    with_kv = engine.ask(session, QUESTIONS[0], forced)
+    engine.memory.drop_kv(engine.store.session(session).holding)
+    again = engine.ask(session, QUESTIONS[0], forced)
+    assert again.tier is Tier.FEATURES, again.tier
+    engine.close(session)
+    figures["ttft_turn10_kv_ms"] = round(with_kv.ttft_s * 1e3, 1)
+    figures["ttft_turn10_stateless_ms"] = round(again.ttft_s * 1e3, 1)
+    figures["turn10_prefill_tokens"] = again.new_tokens
+    figures["ttft_turn10_stateless_over_kv"] = round(again.ttft_s / with_kv.ttft_s, 2)
+
+    for n in plan.sessions:
+        run = sessions_at_once(engine, images[:n], 2, plan.new_tokens)
+        figures[f"tokens_per_s_{n}"] = round(run.tokens_per_s, 1)
+        figures[f"ttft_p50_ms_{n}"] = round(statistics.median(run.ttft_s) * 1e3, 1)
+
+    session = grown_session(engine, images[0], plan.history)
+    figures["restore_history_tokens"] = len(engine.store.session(session).token_ids)
+    ttft = {}
+    for tier in (Tier.HOST, Tier.FEATURES):
+        seen = [turn_latency(engine, session, tier, 1) for _ in range(3)]
+        assert all(found is tier for _t, _total, found in seen), seen
+        ttft[tier] = statistics.median(t for t, _total, _found in seen)
+    engine.close(session)
+    figures["restore_host_ttft_ms"] = round(ttft[Tier.HOST] * 1e3, 1)
+    figures["recompute_ttft_ms"] = round(ttft[Tier.FEATURES] * 1e3, 1)
+    figures["recompute_over_restore"] = round(ttft[Tier.FEATURES] / ttft[Tier.HOST], 2)
+
+    graph_bytes = graphs.reserved_bytes if graphs is not None else 0
+    accounted = weights + engine.memory.pool.allocated_bytes + graph_bytes
+    figures["accounted_gib"] = round(accounted / GiB, 2)
+    if plan.cuda:
+        reserved = torch.cuda.memory_reserved(plan.device)
+        figures["reserved_gib"] = round(reserved / GiB, 2)
+        figures["reserved_over_accounted"] = round(reserved / accounted, 3)
+
+
+# -- tests ----------------------------------------------------------------------------------
+def tests(plan: Plan, figures: Figures) -> None:
+    """The CUDA tests (``pytest -m gpu``, named files); on the CPU they skip, which checks
+    that they are collected at all."""
+    # no log capture: torch's compile logs at DEBUG would bury a failure's own lines
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+               "-p", "no:logging", "--tb=short", *CUDA_TEST_FILES]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    print(done.stdout[-20_000:], done.stderr[-3000:], sep="\n")
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    figures["summary"] = summary
+    for word in ("passed", "failed", "skipped", "error", "errors"):
+        count = next((int(n) for n, w in _counts(summary) if w == word), 0)
+        if count:
+            figures[word] = count
+    if done.returncode not in (0, 5):  # 5: nothing collected (every test deselected)
+        raise AssertionError(f"pytest exited {done.returncode}: {summary}")
+
+
+def _counts(summary: str) -> list[tuple[str, str]]:
+    return re.findall(r"(\d+) (\w+)", summary)
+
+
+# -- shards ---------------------------------------------------------------------------------
+def shards(plan: Plan, figures: Figures) -> None:
+    """Two engine shards of the demo model on the one device, both at once."""
+    devices = f"{plan.device},{plan.device}"
+    figures["devices"] = devices
+    tokens_per_s, rows = shard_table(devices, plan.shard_sessions, plan.new_tokens, 256 * MiB)
+    figures["tokens_per_s"] = round(tokens_per_s, 1)
+    figures["sessions_by_shard"] = [sessions for _device, sessions, _tokens in rows]
+
+
+def shard_table(
+    devices: str, sessions: int, new_tokens: int, session_budget_bytes: int
+) -> tuple[float, list[tuple[str, int, int]]]:
+    """Engine shards on ``devices`` as a worker builds them (llava.shards), the demo model's
+    sessions at once: tokens/s over the run's one wall clock, and each shard's (device,
+    sessions placed there, tokens it answered); printed as a table too. A bounded pool: the
+    device's default share would give the demo model millions of blocks."""
+    from demo_model.synthetic import held_out_samples
+    from llava.config import EngineConfig
+    from llava.shards import ShardedEngine
+    from scripts.bench_concurrency import sessions_at_once
+
+    config = EngineConfig(
+        model_dir=str(DEMO_MODEL), device=devices, session_budget_bytes=session_budget_bytes
+    )
+    sharded = ShardedEngine.from_config(config)
+    try:
+        sharded.warm_up()
+        images = [s.image for s in held_out_samples(sessions, seed=81_000)]
+        run = sessions_at_once(sharded, images, 2, new_tokens)
+    finally:
+        sharded.stop()
+    rows = []
+    for index, engine in enumerate(sharded.shards):
+        mine = [s for s in run.tokens_by_session if sharded.shard_of(s) == index]
+        tokens = sum(run.tokens_by_session[s] for s in mine)
+        rows.append((str(engine.loaded.device), len(mine), tokens))
+    print(f"engine shards on {devices} (demo model): {sessions} sessions at once, 2 turns of "
+          f"{new_tokens} tokens; {run.tokens_per_s:.1f} tokens/s in all")  # fmt: skip
+    print(f"{'shard':>5} {'device':>8} {'sessions':>8} {'tokens':>7} {'tokens/s':>9}")
+    for index, (device, placed, tokens) in enumerate(rows):
+        print(f"{index:>5} {device:>8} {placed:>8} {tokens:>7} {tokens / run.wall_s:>9.1f}")
+    return run.tokens_per_s, rows
+
+
+STEPS = {"preflight": preflight, "attention": attention, "table": table, "tests": tests,
+         "shards": shards}  # fmt: skip
