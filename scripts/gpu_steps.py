@@ -76,17 +76,11 @@ class Plan:
     @classmethod
     def for_device(cls, device: str, args: argparse.Namespace) -> Plan:
         if device == "cpu":
-            return cls(torch.device("cpu"), (2, 4), 8, 4, 16, 700, 4, 3)
-        return cls(
-            torch.device("cuda", torch.cuda.current_device()),
-            tuple(args.sessions),
-            args.new_tokens,
-            32,
-            128,
-            2000,
-            args.shard_sessions,
-            7,
-        )
+            return cls(torch.device("cpu"), sessions=(2, 4), new_tokens=8, turn_tokens=4,
+                       decode_tokens=16, history=700, shard_sessions=4, rounds=3)  # fmt: skip
+        return cls(torch.device("cuda", torch.cuda.current_device()), sessions=tuple(args.sessions),
+                   new_tokens=args.new_tokens, turn_tokens=32, decode_tokens=128, history=2000,
+                   shard_sessions=args.shard_sessions, rounds=7)  # fmt: skip
 
 
 def device_name(plan: Plan) -> str:
