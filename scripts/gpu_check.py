@@ -1,7 +1,7 @@
 """make gpu-check: the engine on a GPU, step by step, each step's result kept as it ends.
 
-    python3 -u -m scripts.gpu_check --out DIR [--steps preflight,attention,table,tests,shards]
-                                    [--device cpu] [--budgets table=300,...]
+    python3 -u -m scripts.gpu_check --out DIR [--device cpu] [--budgets table=300,...]
+                                    [--steps preflight,attention,table,tests,shards,profile]
                                     [--sessions 8 32 64] [--new-tokens 64]
 
 Runs from the repository root with the GPU machine's own Python (torch, transformers; no
@@ -44,6 +44,7 @@ BUDGETS = {
     "table": (180, 120),
     "tests": (90, 60),
     "shards": (60, 60),
+    "profile": (90, 90),
 }
 DEFAULT_STEPS = tuple(BUDGETS)
 

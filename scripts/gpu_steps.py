@@ -21,6 +21,7 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -228,11 +229,10 @@ def random_7b(plan: Plan):
     )
 
 
-def table(plan: Plan, figures: Figures) -> None:
-    """The engine on the 7B shape: graph capture, decode at 1 session, turn-10 TTFT with KV
-    against re-prefilling, tokens/s at each session count, restore from the host tier against
-    recompute, allocator-reserved against accounted bytes."""
-    from demo_model.synthetic import held_out_samples
+def served_7b(plan: Plan, figures: Figures):
+    """The engine over ``random_7b`` as it is served on a GPU (the engine's own budget rule and
+    attention choice); on the CPU a bounded pool, and the paged flex path CUDA takes rather than
+    the CPU's own choice. Returns (engine, bytes of weights); the caller stops the engine."""
     from llava.config import EngineConfig
     from llava.engine import Engine, memory_budget
 
@@ -241,8 +241,6 @@ def table(plan: Plan, figures: Figures) -> None:
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     figures["weights_gib"] = round(weights / GiB, 2)
     figures["build_s"] = round(time.perf_counter() - start, 1)
-    # As served on a GPU (the engine's own budget rule and attention choice); on the CPU a
-    # bounded pool, and the paged flex path CUDA takes rather than the CPU's own choice.
     if plan.cuda:
         config = EngineConfig(model_dir=str(FIXTURE))
     else:
@@ -250,6 +248,17 @@ def table(plan: Plan, figures: Figures) -> None:
                               attention="flex")  # fmt: skip
     budget = memory_budget(config, plan.device)
     engine = Engine(loaded, config, budget, max_batch=max(plan.sessions))
+    figures["pool_gib"] = round(engine.memory.pool.allocated_bytes / GiB, 2)
+    return engine, weights
+
+
+def table(plan: Plan, figures: Figures) -> None:
+    """The engine on the 7B shape: graph capture, decode at 1 session, turn-10 TTFT with KV
+    against re-prefilling, tokens/s at each session count, restore from the host tier against
+    recompute, allocator-reserved against accounted bytes."""
+    from demo_model.synthetic import held_out_samples
+
+    engine, weights = served_7b(plan, figures)
     try:
         with torch.inference_mode():
             _engine_figures(engine, plan, figures, held_out_samples, weights)
@@ -262,7 +271,6 @@ def _engine_figures(engine, plan: Plan, figures: Figures, samples, weights: int)
     from scripts.bench_concurrency import sessions_at_once
     from scripts.bench_memory import grown_session, turn_latency
 
-    figures["pool_gib"] = round(engine.memory.pool.allocated_bytes / GiB, 2)
     figures["warm_up_s"] = round(engine.warm_up(), 1)
     figures["attention_path"] = engine.runner.attention
     graphs = engine.runner.graphs
@@ -322,6 +330,82 @@ def _engine_figures(engine, plan: Plan, figures: Figures, samples, weights: int)
         reserved = torch.cuda.memory_reserved(plan.device)
         figures["reserved_gib"] = round(reserved / GiB, 2)
         figures["reserved_over_accounted"] = round(reserved / accounted, 3)
+
+
+# -- profile --------------------------------------------------------------------------------
+def profile(plan: Plan, figures: Figures) -> None:
+    """Where a turn's decode time goes on the served 7B, at 1 session and at the largest count:
+    wall ms per step (a turn of every session, unprofiled) against the device's kernel ms per
+    step, kernel launches, graph replays, copies and syncs per step, and the kernels and host
+    ops that took the most (torch.profiler over the next turn; sessions opened and warmed
+    first): what a missed speed target needs to be fixed within a GPU lease."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from demo_model.synthetic import held_out_samples
+
+    engine, _weights = served_7b(plan, figures)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if plan.cuda else [])
+    tokens = plan.new_tokens
+    forced = {"max_new_tokens": tokens, "min_new_tokens": tokens}
+    try:
+        with torch.inference_mode():
+            engine.warm_up()
+            for n in sorted({1, max(plan.sessions)}):
+                images = [s.image for s in held_out_samples(n, seed=82_000)]
+                ids = [engine.open(image).session_id for image in images]
+                with ThreadPoolExecutor(n) as pool:
+                    list(pool.map(lambda s: engine.ask(s, QUESTIONS[0], forced), ids))  # warm
+                    start = time.perf_counter()
+                    list(pool.map(lambda s: engine.ask(s, QUESTIONS[2], forced), ids))
+                    plain = time.perf_counter() - start
+                    start = time.perf_counter()
+                    # started and stopped in the engine loop's thread: the host ops of the
+                    # steps are recorded in the thread that runs them
+                    run = profiler(activities=activities)
+                    engine.loop.call(run.__enter__)
+                    list(pool.map(lambda s: engine.ask(s, QUESTIONS[1], forced), ids))
+                    sync(plan)
+                    engine.loop.call(partial(run.__exit__, None, None, None))
+                    wall = time.perf_counter() - start
+                for session_id in ids:
+                    engine.close(session_id)
+                figures[f"sessions_{n}"] = {"wall_ms_per_step": round(plain * 1e3 / tokens, 2),
+                                            **_where_time_went(run, wall, tokens)}  # fmt: skip
+    finally:
+        engine.stop()
+
+
+def _where_time_went(run, wall_s: float, steps: int) -> dict:
+    """Per decode step (``steps``: the tokens each session generated, one step each); the
+    profiler's own cost is in its wall time, not in the kernels' device time."""
+    averages = run.key_averages()
+    kernels = [a for a in averages if a.self_device_time_total > 0]
+    host = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)
+
+    def per_step(name: str) -> float:
+        return round(sum(a.count for a in averages if a.key == name) / steps, 1)
+
+    return {
+        "profiled_wall_ms_per_step": round(wall_s * 1e3 / steps, 2),
+        "kernel_ms_per_step": round(
+            sum(a.self_device_time_total for a in kernels) / 1e3 / steps, 2
+        ),
+        "kernels_per_step": round(sum(a.count for a in kernels) / steps, 1),
+        "graph_launches_per_step": per_step("cudaGraphLaunch"),
+        "kernel_launches_per_step": per_step("cudaLaunchKernel"),
+        "copies_per_step": per_step("cudaMemcpyAsync"),
+        "syncs_per_step": per_step("cudaStreamSynchronize"),
+        "top_kernels_ms_per_step": {
+            a.key[:70]: round(a.self_device_time_total / 1e3 / steps, 3)
+            for a in sorted(kernels, key=lambda a: a.self_device_time_total, reverse=True)[:8]
+        },
+        "top_host_ms_per_step": {
+            a.key[:70]: round(a.self_cpu_time_total / 1e3 / steps, 3) for a in host[:8]
+        },
+    }
 
 
 # -- tests ----------------------------------------------------------------------------------
@@ -393,4 +477,4 @@ def shard_table(
 
 
 STEPS = {"preflight": preflight, "attention": attention, "table": table, "tests": tests,
-         "shards": shards}  # fmt: skip
+         "shards": shards, "profile": profile}  # fmt: skip

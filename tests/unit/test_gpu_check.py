@@ -41,6 +41,9 @@ def test_every_step_runs_on_the_cpu_and_writes_its_line(tmp_path):
     assert table["turn10_prefill_tokens"] > 576  # the image and nine turns, prefilled again
     assert figures["tests"]["skipped"] >= 6  # the CUDA tests were collected, and skipped here
     assert figures["shards"]["sessions_by_shard"] == [2, 2]
+    for sessions in ("sessions_1", "sessions_4"):  # where a decode step's time goes
+        where = figures["profile"][sessions]
+        assert where["wall_ms_per_step"] > 0 and where["top_host_ms_per_step"], where
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"== {step}: ok" in log for step in DEFAULT_STEPS)
 
