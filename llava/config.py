@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1024**3
+ATTENTION = ("auto", "flex", "sdpa")  # the values of ``attention`` (llava.runner.Runner)
 ENV_PREFIX = "LLAVA_"
 ARCHIVED = "model-config.yaml handler."  # how an archived setting is named in messages
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "dtype": _one_of("auto", "float32", "float16", "bfloat16"),
     "attn_implementation": _one_of("sdpa", "eager", "flash_attention_2"),
-    "attention": _one_of("auto", "flex", "sdpa"),
+    "attention": _one_of(*ATTENTION),
     "cuda_graphs": (lambda v: isinstance(v, bool), "true or false"),
     "session_ttl_s": (lambda v: _number(v) and v > 0, "a number of seconds > 0"),
     "session_budget_bytes": (

@@ -180,14 +180,20 @@ def _release_cached(device: torch.device) -> None:
 
 
 def _capture(runner, step: StaticDecode) -> None:
-    """Warm up on a side stream (the allocator and any lazy init), then capture."""
+    step.graph, step.out = capture_graph(lambda: runner.decode(*step.inputs()))
+
+
+def capture_graph(call):
+    """``call`` captured as a CUDA graph: run twice on a side stream first (the
+    allocator and any lazy init, a compile included), then captured. Returns (the graph, the
+    output tensor its replays write)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.inference_mode():
         for _ in range(2):
-            runner.decode(*step.inputs())
+            call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
-        step.out = runner.decode(*step.inputs())
-    step.graph = graph
+        out = call()
+    return graph, out

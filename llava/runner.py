@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from llava import graphs as decode_graphs
 from llava.attention import paged_attention
+from llava.config import ATTENTION
 from llava.counters import Counters
 from llava.decoding import Chooser
 from llava.generation import GenerationParams
@@ -34,8 +35,6 @@ from llava.sampling import Sampler, SamplingRows
 from llava.step_meta import StepBuffers, StepMeta, build_step_meta, row_meta
 
 logger = logging.getLogger(__name__)
-
-ATTENTION = ("auto", "flex", "sdpa")  # the values of EngineConfig.attention
 
 
 class PagedAttentionFailed(RuntimeError):
@@ -195,8 +194,8 @@ class Runner:
     def capture_graphs(self, max_batch: int) -> DecodeGraphs | None:
         """On CUDA, capture decode graphs for the buckets up to ``max_batch`` whose memory
         fits a twentieth of the pool's bytes, at least GRAPHS_BUDGET_FLOOR (llava.graphs);
-        elsewhere nothing (None). A bucket
-        whose capture raised is counted (``graph_capture_failures``) and runs eagerly.
+        elsewhere nothing (None). A bucket whose capture raised is counted
+        (``graph_capture_failures``) and runs eagerly.
 
         Nothing either with sdpa attention: a graph replays ``decode``, whose attention is
         always the paged flex call, so it would run the path that was set aside (by the

@@ -133,17 +133,13 @@ def preflight(plan: Plan, figures: Figures) -> None:
 
 
 def _capture_and_replay(call, plan: Plan) -> torch.Tensor:
-    """``call`` captured in a CUDA graph and replayed; on the CPU, called again."""
+    """``call`` captured in a CUDA graph as the engine captures its decode steps, and
+    replayed; on the CPU, called again."""
+    from llava.graphs import capture_graph
+
     if not plan.cuda:
         return call()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # warm-up off the capture: the allocator and lazy init
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(call)
     graph.replay()
     sync(plan)
     return out
@@ -256,17 +252,16 @@ def table(plan: Plan, figures: Figures) -> None:
     """The engine on the 7B shape: graph capture, decode at 1 session, turn-10 TTFT with KV
     against re-prefilling, tokens/s at each session count, restore from the host tier against
     recompute, allocator-reserved against accounted bytes."""
-    from demo_model.synthetic import held_out_samples
-
     engine, weights = served_7b(plan, figures)
     try:
         with torch.inference_mode():
-            _engine_figures(engine, plan, figures, held_out_samples, weights)
+            _engine_figures(engine, plan, figures, weights)
     finally:
         engine.stop()
 
 
-def _engine_figures(engine, plan: Plan, figures: Figures, samples, weights: int) -> None:
+def _engine_figures(engine, plan: Plan, figures: Figures, weights: int) -> None:
+    from demo_model.synthetic import held_out_samples
     from llava.memory import Tier
     from scripts.bench_concurrency import sessions_at_once
     from scripts.bench_memory import grown_session, turn_latency
@@ -278,7 +273,7 @@ def _engine_figures(engine, plan: Plan, figures: Figures, samples, weights: int)
         figures["graph_buckets"] = sorted(graphs.steps)
         figures["capture_s"] = round(graphs.capture_s, 1)
         figures["graphs_mib"] = round(graphs.reserved_bytes / MiB)
-    images = [s.image for s in samples(max(plan.sessions), seed=80_000)]
+    images = [s.image for s in held_out_samples(max(plan.sessions), seed=80_000)]
 
     one = engine.open(images[0]).session_id
     per_token = []
