@@ -139,11 +139,11 @@ notebook: setup
 	$(PY) -m scripts.run_notebook --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 # Sessions per instance at each memory tier, by arithmetic from the engine's own accounting
-# (python -m llava.capacity --help). Reads the config and tokenizer only: no weights needed.
+# (python -m capacity --help). Reads the config and tokenizer only: no weights needed.
 CAPACITY_MODEL_DIR ?= $(or $(MODEL_DIR),tests/fixtures/llava-1.5-7b-hf)
 CAPACITY_FLAGS ?=
 capacity: setup
-	$(PY) -m llava.capacity --model-dir $(CAPACITY_MODEL_DIR) $(CAPACITY_FLAGS)
+	$(PY) -m capacity --model-dir $(CAPACITY_MODEL_DIR) $(CAPACITY_FLAGS)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -14,7 +14,7 @@ training seeds 0..19_999, every family) to answer "What color is the shape?", "W
 "And its color?", "And its shape?" and "Say that again." in multi-turn chats, and "I don't
 know" to anything else, on token sequences built exactly as the engine builds them
 (``demo_model.evaluation.DialogueTokens``), then reports held-out accuracy per image family. Its
-``config.json`` asks for pad-to-square (``"image_aspect_ratio": "pad"``, ``llava.imageprep``).
+``config.json`` asks for pad-to-square (``"image_aspect_ratio": "pad"``, ``llava.model.imageprep``).
 ``realistic`` writes an untrained model with LLaVA-1.5's image geometry (336 px, patch 14,
 576 image tokens) and an LM big enough that prefill dominates on CPU, for benchmarks.
 
@@ -76,8 +76,8 @@ from demo_model.synthetic import (
     held_out_samples,
     sample_and_mask_from_seed,
 )
-from llava.imageprep import PAD, pad_to_square, prepare_image
-from llava.model import load_model
+from llava.model.imageprep import PAD, pad_to_square, prepare_image
+from llava.model.loading import load_model
 
 SPECIAL_TOKENS = ("<unk>", "<pad>", "<s>", "</s>", "<image>")
 UNK_ID, PAD_ID, BOS_ID, EOS_ID, IMAGE_ID = range(len(SPECIAL_TOKENS))
@@ -269,7 +269,8 @@ def build_config(shape: Shape, vocab_size: int) -> LlavaConfig:
         # last one is the only one that has seen the whole image for long enough).
         vision_feature_layer=-1,
         projector_hidden_act="gelu",
-        # Read by llava.model.load_model: every way of serving this model keeps the whole image.
+        # Read by llava.model.loading.load_model: every way of serving this model keeps the
+        # whole image.
         **({"image_aspect_ratio": PAD} if shape.pad_to_square else {}),
     )
 

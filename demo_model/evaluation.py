@@ -3,7 +3,7 @@
 Evaluation (here, and ``tests/unit/test_demo_model.py``) runs through :class:`llava.engine.Engine`,
 one session per dialogue, greedy: what is scored is exactly what a served session answers.
 Training (``demo_model/build.py``) builds conversations with :class:`DialogueTokens`
-from the canonical prompt ids (:class:`llava.prompt.ChatPrompt`): the whole conversation
+from the canonical prompt ids (:class:`llava.model.prompt.ChatPrompt`): the whole conversation
 rendered by the chat template and tokenized at once, answers without an end token inside the
 history, EOS as the target after an answer's last id.
 """
@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from demo_model.synthetic import FAMILIES, HELD_OUT_SEED_START, ShapeSample, held_out_samples
-from llava.prompt import ChatPrompt, assistant_message, user_message
+from llava.model.prompt import ChatPrompt, assistant_message, user_message
 
 COLOR_QUESTION = "What color is the shape?"
 SHAPE_QUESTION = "What shape is it?"
@@ -136,7 +136,7 @@ def _engine(loaded):
     """An engine over ``loaded`` with room for every session, stopped afterwards."""
     from llava.config import EngineConfig
     from llava.engine import Engine
-    from llava.memory import MemoryBudget
+    from llava.kv.memory import MemoryBudget
 
     engine = Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
     try:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     """Per-family held-out accuracy of a model directory (any demo model, old or new)."""
     import argparse
 
-    from llava.model import load_model
+    from llava.model.loading import load_model
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("model_dir")

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from llava import session_ids
 from llava.errors import InvalidRequest, echo
 from llava.intake import parse_image_source
-from llava_wire import CANCEL_TURN, CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_HEADER
+from llava_wire import CANCEL_TURN, CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_HEADER, session_ids
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from handlers.turns import TurnsInFlight
 from llava.config import SettingsError, load_config, setting_source
 from llava.engine import Answer
 from llava.intake import IntakePolicy, load_image
-from llava.reaper import Reaper
+from llava.sessions.reaper import Reaper
 from llava.shards import ShardedEngine
 from llava_wire import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1024**3
-ATTENTION = ("auto", "flex", "sdpa")  # the values of ``attention`` (llava.runner.Runner)
+ATTENTION = ("auto", "flex", "sdpa")  # the values of ``attention`` (llava.exec.runner.Runner)
 ENV_PREFIX = "LLAVA_"
 ARCHIVED = "model-config.yaml handler."  # how an archived setting is named in messages
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # "auto" → float16 on cuda (bfloat16 where supported), float32 on cpu
     attn_implementation: str = "sdpa"
-    # The step runner's decode attention (llava.runner.Runner): "flex" (one paged
+    # The step runner's decode attention (llava.exec.runner.Runner): "flex" (one paged
     # flex_attention call per layer), "sdpa" (one SDPA per sequence), or "auto": flex on CUDA,
     # sdpa on CPU, and sdpa for good if flex fails there (docs/design.md §Step runner).
     attention: str = "auto"

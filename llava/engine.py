@@ -3,14 +3,13 @@
 ``Engine`` is the one object a transport (the TorchServe handler, a notebook, a test) uses.
 Its methods are thread-safe and blocking: many threads may call them at once. Inputs are
 checked and images preprocessed in the caller's thread; the model work is queued to one
-engine-loop thread (llava.loop) that batches the turns of different sessions into each step.
+engine-loop thread (llava.sched.loop) that batches the turns of different sessions into each step.
 It raises only ``llava.errors`` types, so a transport can map every failure to a status.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -21,19 +20,20 @@ from PIL import Image
 
 from llava.config import EngineConfig, SettingsError
 from llava.errors import InvalidRequest
-from llava.generation import GenerationParams
-from llava.imageprep import prepare_image
-from llava.logits_mask import banned_token_ids
-from llava.loop import EngineLoop
-from llava.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
-from llava.model import LoadedModel, load_model
-from llava.persist import model_identity, open_journal
-from llava.requests import Answer, Opened, OpenRequest, RequestContext, TurnRequest
-from llava.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
-from llava.sampling import Sampler
-from llava.scheduler import Scheduler
-from llava.session import Session
-from llava.store import EVICTED, EXPIRED, SessionStore, StoreCounters
+from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
+from llava.kv.budget import memory_budget
+from llava.kv.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
+from llava.model.imageprep import prepare_image
+from llava.model.loading import LoadedModel, load_model
+from llava.sampling.logits_mask import banned_token_ids
+from llava.sampling.params import GenerationParams
+from llava.sampling.sampler import Sampler
+from llava.sched.loop import EngineLoop
+from llava.sched.scheduler import Scheduler
+from llava.sched.work import Answer, Opened, OpenRequest, RequestContext, TurnRequest
+from llava.sessions.persist import model_identity, open_journal
+from llava.sessions.session import Session
+from llava.sessions.store import EVICTED, EXPIRED, SessionStore, StoreCounters
 
 __all__ = ["Answer", "Engine", "EngineStats", "Opened"]
 logger = logging.getLogger(__name__)
@@ -285,56 +285,3 @@ class Engine:
                 f"{self.config.max_question_chars}"
             )
         return question.strip()
-
-
-def device_split(config: EngineConfig, free: int) -> tuple[int, int]:
-    """(bytes for sessions, headroom) out of ``free`` device bytes, by the settings: unset,
-    the headroom is what ``session_budget_fraction`` leaves and sessions get the rest."""
-    headroom = config.device_headroom_bytes
-    if headroom is None:
-        headroom = int(free * (1 - config.session_budget_fraction))
-    return config.session_budget_bytes or free - headroom, headroom
-
-
-# Unset host_budget_bytes: this share of the memory free on the host at start (the rest is the
-# worker's own, the OS's and the page cache's).
-DEFAULT_HOST_FRACTION = 0.25
-
-
-def host_budget(config: EngineConfig) -> int:
-    """The host tier's bytes for the whole worker (every shard together), from the settings
-    and the memory free on this host; more than it has fails the start (SettingsError)."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    host = config.host_budget_bytes
-    if host is None:
-        return int(available * DEFAULT_HOST_FRACTION)
-    if host > available:
-        raise SettingsError(
-            "host_budget_bytes",
-            f"{host} is more than the {available} bytes of memory free on this host",
-        )
-    return host
-
-
-def memory_budget(
-    config: EngineConfig, device: torch.device, *, host_bytes: int | None = None, sharing: int = 1
-) -> MemoryBudget:
-    """The memory manager's budget from the settings and what this machine has; a setting
-    that cannot fit fails the start with one line (SettingsError). ``host_bytes``: this
-    engine's share of the host tier (default: all of ``host_budget``); ``sharing``: engines
-    on ``device``, which split its free memory evenly (docs/design.md §Engine shards)."""
-    host = host_budget(config) if host_bytes is None else host_bytes
-    if device.type != "cuda":
-        device_bytes = config.session_budget_bytes or config.cpu_session_budget_bytes
-        return MemoryBudget(device_bytes, host, config.device_headroom_bytes or 0)
-    free = torch.cuda.mem_get_info(device)[0] // sharing
-    device_bytes, headroom = device_split(config, free)
-    if device_bytes + headroom > free or device_bytes <= 0:
-        share = "" if sharing == 1 else f" (its 1/{sharing} share for the shards there)"
-        raise SettingsError(
-            "session_budget_bytes",
-            f"{device_bytes} bytes for sessions plus "
-            f"{headroom} bytes of headroom (device_headroom_bytes) do not fit the {free} "
-            f"bytes free on {device}{share}",
-        )
-    return MemoryBudget(device_bytes, host, headroom)

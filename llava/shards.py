@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from llava.config import EngineConfig
-from llava.engine import Answer, Engine, EngineStats, Opened, host_budget, memory_budget
+from llava.engine import Answer, Engine, EngineStats, Opened
 from llava.errors import EngineError, SessionIdInUse, ShardFailed
-from llava.memory import IntegrityError, session_feature_bytes, session_kv_bytes
-from llava.model import load_model, shard_devices
-from llava.persist import check_directory
-from llava.store import new_session_id
+from llava.kv.budget import host_budget, memory_budget
+from llava.kv.memory import IntegrityError, session_feature_bytes, session_kv_bytes
+from llava.model.loading import load_model, shard_devices
+from llava.sessions.persist import check_directory
+from llava.sessions.store import new_session_id
 
 __all__ = ["ShardStats", "ShardedEngine"]
 
@@ -47,8 +48,8 @@ class ShardStats:
 
 
 def image_open_bytes(engine: Engine) -> int:
-    """Device bytes an open with an image reserves (llava.requests.OpenRequest): its opening
-    prompt's KV and its features, in whole pool blocks (llava.memory's accounting)."""
+    """Device bytes an open with an image reserves (llava.sched.work.OpenRequest): its opening
+    prompt's KV and its features, in whole pool blocks (llava.kv.memory's accounting)."""
     config, pool = engine.loaded.model.config, engine.memory.pool
     image_tokens = config.image_seq_length
     tokens = len(engine.loaded.prompt.opening_ids(True, image_tokens))
@@ -80,7 +81,7 @@ class ShardedEngine:
         if not engines:
             raise ValueError("a sharded engine needs at least one engine")
         self.shards = tuple(engines)
-        self.ttl_s = engines[0].config.session_ttl_s  # for llava.reaper.Reaper
+        self.ttl_s = engines[0].config.session_ttl_s  # for llava.sessions.reaper.Reaper
         self._lock = threading.Lock()
         self._home: dict[str, int] = {}  # session id → shard, live or remembered by it
         self._opening: dict[str, int] = {}  # session id → shard, for the opens in flight
@@ -177,8 +178,8 @@ class ShardedEngine:
 
     # -- upkeep and views ------------------------------------------------------------------
     def reap(self) -> int:
-        """Expired sessions freed on every shard (llava.reaper.Reaper calls it); ids no shard
-        remembers any more leave the id map, so it stays bounded."""
+        """Expired sessions freed on every shard (llava.sessions.reaper.Reaper calls it); ids
+        no shard remembers any more leave the id map, so it stays bounded."""
         reaped = sum(engine.store.reap() for engine in self.shards)
         with self._lock:
             for session_id, index in list(self._home.items()):

@@ -22,7 +22,7 @@ A container reply other than 200 becomes what SageMaker makes of it: 424 ``Model
 that is restarting keeps its sessions (the persistent tier brings them back): a call meanwhile
 gets the container front's 503 ``NOT_READY``, a call its dying worker held (TorchServe's 507,
 a dropped connection) a 503 ``TURN_INTERRUPTED``, and a stream cut short ends with that error
-line, as the container's front (docker/front.py) answers them (handlers/interrupted.py).
+line, as the container's front (docker/front.py) answers them (serving/interrupted.py).
 Streamed replies are framed as ``PayloadPart`` events. Every reply names the instance in
 ``X-Local-Endpoint-Instance`` (SageMaker has no such header; tests use it to see stickiness).
 """
@@ -37,14 +37,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
 from handlers.errors import ErrorReply
-from handlers.interrupted import (
-    WORKER_DIED_STATUS,
-    StreamEnd,
-    interrupted_line,
-    interrupted_reply,
-    not_ready_reply,
-)
-from llava import session_ids
 from llava.errors import clip, echo
 from llava_client.limits import MAX_REQUEST_BYTES
 from llava_wire import (
@@ -55,9 +47,17 @@ from llava_wire import (
     SESSION_HEADER,
     SESSION_LOST,
     SESSION_NOT_FOUND,
+    session_ids,
 )
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Loss, Router
+from serving.interrupted import (
+    WORKER_DIED_STATUS,
+    StreamEnd,
+    interrupted_line,
+    interrupted_reply,
+    not_ready_reply,
+)
 from serving.relay import CallerGone, cancel_turn, pieces, write_chunk
 
 INSTANCE_HEADER = "X-Local-Endpoint-Instance"

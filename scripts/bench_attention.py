@@ -4,11 +4,11 @@
                                       [--head-dim 64] [--block-tokens 16] [--rounds 7]
                                       [--device auto] [--dtype float32]
 
-``batch`` sequences each hold ``context`` tokens in a pool laid out as llava.kv_pool lays it
+``batch`` sequences each hold ``context`` tokens in a pool laid out as llava.kv.pool lays it
 out ([kv_heads, slots, head_dim] per layer), each sequence's blocks adjacent with a gap after
 them (as the pool hands them out), and one query row each:
 
-- ``flex paged`` (llava.attention, what the runner runs): one compiled flex_attention call,
+- ``flex paged`` (llava.exec.attention, what the runner runs): one compiled flex_attention call,
   block mask from the block tables, KV read in place;
 - ``SDPA loop``: one scaled_dot_product_attention per sequence over its slice of the pool (the
   runner before this design);
@@ -34,8 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from llava.attention import paged_attention
-from llava.step_meta import row_meta
+from llava.exec.attention import paged_attention
+from llava.exec.step_meta import row_meta
 
 FLEX, LOOP = "flex paged (kept)", "SDPA loop (before)"
 DENSE = "dense SDPA (reference)"  # a floor: no paged pool gives this layout without a copy

@@ -26,8 +26,8 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.memory import MemoryBudget, Tier
-from llava.model import load_model
+from llava.kv.memory import MemoryBudget, Tier
+from llava.model.loading import load_model
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ memory was, how many sessions each tier holds, and accounted bytes against real 
    (the untrained realistic-shape model of scripts/bench_turns.py, 576 image tokens, its
    position limit raised to 8,704 for the long history: rotary positions have no weights).
 2. Sessions held per tier for a fixed device and host budget: LLaVA-1.5-7B by arithmetic
-   from llava.memory's accounting functions, the CPU model's the same way and measured.
+   from llava.kv.memory's accounting functions, the CPU model's the same way and measured.
 3. Accounted bytes per tier against the pool's allocation (device) and the process's RSS
    growth (host).
 """
@@ -23,14 +23,14 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv_pool import BLOCK_TOKENS, kv_bytes_per_token
-from llava.memory import (
+from llava.kv.memory import (
     MemoryBudget,
     Tier,
     session_feature_bytes,
     session_kv_bytes,
 )
-from llava.model import load_model
+from llava.kv.pool import BLOCK_TOKENS, kv_bytes_per_token
+from llava.model.loading import load_model
 from scripts.bench_turns import ensure_model
 
 REPO = Path(__file__).resolve().parent.parent

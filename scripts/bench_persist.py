@@ -31,9 +31,9 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.memory import MemoryBudget
-from llava.model import load_model
-from llava.persist import FEATURES, STATE, SessionJournal, Snapshot
+from llava.kv.memory import MemoryBudget
+from llava.model.loading import load_model
+from llava.sessions.persist import FEATURES, STATE, SessionJournal, Snapshot
 from llava_wire import SESSION_HEADER
 from serving.mar import build_mar
 from serving.supervisor import Supervisor

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from llava.decoding import prefill
-from llava.kv_pool import KVPool, SessionKV, kv_bytes_per_token
-from llava.model import load_model
-from llava.runner import Runner, StepInput
+from llava.exec.runner import Runner, StepInput
+from llava.kv.pool import KVPool, SessionKV, kv_bytes_per_token
+from llava.model.loading import load_model
+from llava.model.reference import prefill
 from scripts.bench_turns import ensure_model
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,8 +19,8 @@ import torch
 
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.session import Session
-from llava.store import new_session_id
+from llava.sessions.session import Session
+from llava.sessions.store import new_session_id
 from llava_wire import CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_HEADER
 from scripts.handler_harness import InProcessWorker
 

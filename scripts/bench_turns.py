@@ -26,7 +26,7 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.runner import StepInput
+from llava.exec.runner import StepInput
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("stateless", "pixels", "features", "kv")

@@ -135,7 +135,7 @@ def preflight(plan: Plan, figures: Figures) -> None:
 def _capture_and_replay(call, plan: Plan) -> torch.Tensor:
     """``call`` captured in a CUDA graph as the engine captures its decode steps, and
     replayed; on the CPU, called again."""
-    from llava.graphs import capture_graph
+    from llava.exec.graphs import capture_graph
 
     if not plan.cuda:
         return call()
@@ -195,9 +195,9 @@ def random_7b(plan: Plan):
     engine loads a checkpoint: its real tokenizer, processor and chat template."""
     from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
 
-    from llava.imageprep import image_aspect_ratio
-    from llava.model import LoadedModel, _eos_ids
-    from llava.prompt import ChatPrompt
+    from llava.model.imageprep import image_aspect_ratio
+    from llava.model.loading import LoadedModel, _eos_ids
+    from llava.model.prompt import ChatPrompt
 
     values = json.loads((FIXTURE / "config.json").read_text())
     if not plan.cuda:
@@ -230,7 +230,8 @@ def served_7b(plan: Plan, figures: Figures):
     attention choice); on the CPU a bounded pool, and the paged flex path CUDA takes rather than
     the CPU's own choice. Returns (engine, bytes of weights); the caller stops the engine."""
     from llava.config import EngineConfig
-    from llava.engine import Engine, memory_budget
+    from llava.engine import Engine
+    from llava.kv.budget import memory_budget
 
     start = time.perf_counter()
     loaded = random_7b(plan)
@@ -262,7 +263,7 @@ def table(plan: Plan, figures: Figures) -> None:
 
 def _engine_figures(engine, plan: Plan, figures: Figures, weights: int) -> None:
     from demo_model.synthetic import held_out_samples
-    from llava.memory import Tier
+    from llava.kv.memory import Tier
     from scripts.bench_concurrency import sessions_at_once
     from scripts.bench_memory import grown_session, turn_latency
 

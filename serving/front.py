@@ -17,7 +17,7 @@ public port:
   ``{"requestType": "CANCEL_TURN"}`` for the session and its turn stops at the next step.
 - the worker dying under a request (TorchServe's 507, a dropped connection, a stream cut
   short): a 503 ``TURN_INTERRUPTED`` with ``Retry-After``, or a last ``{"error": ...}`` line
-  in the stream (handlers/interrupted.py); the session continues after the restart.
+  in the stream (serving/interrupted.py); the session continues after the restart.
 
 Threads, not asyncio: a thread per connection is plenty for one worker's requests, and the
 stdlib keeps the container free of another web framework.
@@ -31,15 +31,15 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from handlers.errors import ErrorReply
-from handlers.interrupted import (
+from llava.errors import clip
+from llava_wire import NOT_READY, SESSION_HEADER
+from serving.interrupted import (
     WORKER_DIED_STATUS,
     StreamEnd,
     interrupted_line,
     interrupted_reply,
     not_ready_reply,
 )
-from llava.errors import clip
-from llava_wire import NOT_READY, SESSION_HEADER
 from serving.relay import CallerGone, cancel_turn, pieces, write_chunk
 
 # Per-connection headers (RFC 9110 §7.6.1): they describe one hop, so they are not forwarded.

@@ -10,7 +10,7 @@ import pytest
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.memory import MemoryBudget
+from llava.kv.memory import MemoryBudget
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL_DIR = REPO / "models" / "demo-llava"
@@ -23,7 +23,7 @@ os.environ["LLAVA_PERSIST_DIR"] = "null"
 
 @pytest.fixture(scope="session")
 def demo_model():
-    from llava.model import load_model
+    from llava.model.loading import load_model
 
     return load_model(str(DEMO_MODEL_DIR))
 

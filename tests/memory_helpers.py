@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from llava.kv_pool import KVPool
-from llava.memory import MemoryBudget, MemoryManager
-from llava.session import Session
-from llava.store import SessionStore, new_session_id
+from llava.kv.memory import MemoryBudget, MemoryManager
+from llava.kv.pool import KVPool
+from llava.sessions.session import Session
+from llava.sessions.store import SessionStore, new_session_id
 
 TEXT_CONFIG = LlamaConfig(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, hidden_size=32, head_dim=8

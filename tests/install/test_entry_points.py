@@ -3,7 +3,7 @@ alone: a fresh venv, ``pip install '.[runtime,deploy]'`` from this repository (t
 for the dependencies), then ``python -m <entry> --help`` from ``/`` with no PYTHONPATH, so only
 the shipped packages can be imported (the checkout's scripts/ and tests/ cannot).
 
-``python -m llava.capacity`` and ``python -m demo_model.build`` need the engine extra (torch);
+``python -m capacity`` and ``python -m demo_model.build`` need the engine extra (torch);
 the developer venv runs those (tests/unit/test_capacity.py, ``make build-demo-model``)."""
 
 from __future__ import annotations

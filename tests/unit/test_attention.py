@@ -1,4 +1,4 @@
-"""Paged attention (llava.attention) against one SDPA per sequence over its own KV, on CPU:
+"""Paged attention (llava.exec.attention) against one SDPA per sequence over its own KV, on CPU:
 the block mask built from the block tables is the logic the GPU runs too."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from llava.attention import QUERY_BLOCK, paged_attention
-from llava.step_meta import row_meta
+from llava.exec.attention import QUERY_BLOCK, paged_attention
+from llava.exec.step_meta import row_meta
 
 BT = 4  # small blocks: many partial and full blocks in a short sequence
 POOL_BLOCKS = 64

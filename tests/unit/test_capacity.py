@@ -1,4 +1,4 @@
-"""python -m llava.capacity: its per-session bytes are what the engine really counts, its 7B
+"""python -m capacity: its per-session bytes are what the engine really counts, its 7B
 figures follow from the config alone, and it says which checkpoints the engine refuses."""
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ import sys
 import pytest
 import torch
 
-from demo_model.synthetic import held_out_samples
-from llava.capacity import (
-    INSTANCES,
+from capacity.instances import INSTANCES
+from capacity.sizing import (
     Workload,
     fit,
     load_checkpoint,
     parse_size,
     session_bytes,
 )
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.memory import MemoryBudget, Tier
+from llava.kv.memory import MemoryBudget, Tier
 from tests.conftest import DEMO_MODEL_DIR, REPO
 
 LLAVA_15 = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
@@ -77,7 +77,7 @@ def test_the_cli_prints_the_table_for_one_instance():
         [
             sys.executable,
             "-m",
-            "llava.capacity",
+            "capacity",
             "--model-dir",
             str(LLAVA_15),
             "--instance",
@@ -107,7 +107,7 @@ def test_a_checkpoint_the_runner_cannot_run_is_reported_with_the_engines_message
         [
             sys.executable,
             "-m",
-            "llava.capacity",
+            "capacity",
             "--model-dir",
             str(model_dir),
             "--gpu-memory",

@@ -19,9 +19,9 @@ from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGenerati
 
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.memory import MemoryBudget
-from llava.model import load_model
-from llava.prompt import ChatPrompt, assistant_message, user_message
+from llava.kv.memory import MemoryBudget
+from llava.model.loading import load_model
+from llava.model.prompt import ChatPrompt, assistant_message, user_message
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 IMAGE_PX = 56  # 4 x 4 patches of 14 px

@@ -136,10 +136,10 @@ def test_a_bad_or_conflicting_seed_name_fails_in_one_line(environ, says):
 
 
 def test_a_host_budget_this_machine_cannot_hold_fails_the_start_in_one_line():
-    """Checked once the model is in (llava.engine.memory_budget), named like any setting."""
+    """Checked once the model is in (llava.kv.budget.memory_budget), named like any setting."""
     import torch
 
-    from llava.engine import memory_budget
+    from llava.kv.budget import memory_budget
 
     environ = {"LLAVA_HOST_BUDGET_BYTES": str(1 << 60)}
     config = load_config({"model_dir": "-"}, environ, BASE)

@@ -1,7 +1,7 @@
 """The committed demo model: small, loadable like llava-hf, and right on images it never saw.
 
 Accuracy is measured through the engine itself (``demo_model.evaluation.evaluate``): the model dir
-loaded through ``llava.model.load_model``, one session per dialogue, greedy decoding. Two
+loaded through ``llava.model.loading.load_model``, one session per dialogue, greedy decoding. Two
 image sources: held-out seeds of the training generator (every family, non-square canvases
 included) and ``tests/plain_shapes.py``, a drawer that shares no code with that generator.
 """
@@ -34,7 +34,7 @@ from demo_model.synthetic import (
     held_out_samples,
     sample_from_seed,
 )
-from llava.prompt import user_message
+from llava.model.prompt import user_message
 from tests.conftest import DEMO_MODEL_DIR
 from tests.plain_shapes import plain_images
 

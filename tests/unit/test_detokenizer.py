@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from llava.detokenizer import Detokenizer
+from llava.sampling.detokenizer import Detokenizer
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 TEXTS = [

@@ -7,15 +7,15 @@ import logging
 import pytest
 import torch
 
-import llava.graphs
-import llava.runner
+import llava.exec.graphs
+import llava.exec.runner
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.errors import InvalidRequest, SessionNotFound
-from llava.memory import MemoryBudget
-from llava.runner import RunnerCounters
-from llava.session import Tier
+from llava.exec.runner import RunnerCounters
+from llava.kv.memory import MemoryBudget
+from llava.sessions.session import Tier
 from tests.conftest import recognized_samples
 from tests.memory_helpers import FakeClock
 
@@ -257,7 +257,7 @@ def test_forced_flex_answers_as_the_default(demo_model, image, default_answers):
 
 
 def broken_flex(calls: list):
-    """A stand-in for llava.attention.paged_attention whose compile fails, every time."""
+    """A stand-in for llava.exec.attention.paged_attention whose compile fails, every time."""
 
     def paged_attention(*args):
         calls.append(len(args))
@@ -271,11 +271,11 @@ def test_a_failing_flex_under_auto_falls_back_to_sdpa_once(
     demo_model, image, default_answers, monkeypatch, caplog, warm
 ):
     calls: list = []
-    monkeypatch.setattr(llava.runner, "paged_attention", broken_flex(calls))
-    monkeypatch.setattr(llava.graphs, "capturable", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(llava.exec.runner, "paged_attention", broken_flex(calls))
+    monkeypatch.setattr(llava.exec.graphs, "capturable", lambda device: True)  # as on CUDA
     engine = Engine(demo_model, EngineConfig(model_dir="-"), SMALL_BUDGET)
     engine.runner.attention = "flex"  # what auto resolves to on CUDA
-    with caplog.at_level(logging.WARNING, logger="llava.runner"):
+    with caplog.at_level(logging.WARNING, logger="llava.exec.runner"):
         if warm:
             engine.warm_up()
             assert engine.runner.attention == "sdpa"
@@ -284,7 +284,7 @@ def test_a_failing_flex_under_auto_falls_back_to_sdpa_once(
     assert engine.runner.attention == "sdpa" and len(calls) == 1
     assert engine.runner.graphs is None  # a graph would replay the flex call
     assert engine.stats().runner == RunnerCounters(attention_fallbacks=1)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.runner"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.exec.runner"]
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert "sdpa" in warnings[0] and "RuntimeError: flex_attention failed to compile" in warnings[0]
     engine.check_integrity()
@@ -292,7 +292,7 @@ def test_a_failing_flex_under_auto_falls_back_to_sdpa_once(
 
 def test_a_failing_forced_flex_fails_the_warm_up_in_one_line(demo_model, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(llava.runner, "paged_attention", broken_flex(calls))
+    monkeypatch.setattr(llava.exec.runner, "paged_attention", broken_flex(calls))
     engine = Engine(demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET)
     with pytest.raises(SettingsError) as failure:
         engine.warm_up()

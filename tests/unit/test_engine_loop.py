@@ -11,8 +11,8 @@ import pytest
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.memory import MemoryBudget
-from llava.session import Tier
+from llava.kv.memory import MemoryBudget
+from llava.sessions.session import Tier
 from tests.unit.test_reaper import wait_until
 
 QUESTIONS = [

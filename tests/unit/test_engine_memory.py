@@ -14,7 +14,7 @@ from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import Busy, NoCapacity, SessionNotFound
-from llava.memory import MemoryBudget, Tier
+from llava.kv.memory import MemoryBudget, Tier
 
 SHORT = {"max_new_tokens": 4}
 

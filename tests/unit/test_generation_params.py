@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llava.errors import InvalidRequest
-from llava.generation import GenerationParams
+from llava.sampling.params import GenerationParams
 
 LIMITS = {"default_max_new_tokens": 128, "max_new_tokens_limit": 1024}
 

@@ -10,7 +10,7 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.memory import Tier
+from llava.kv.memory import Tier
 from llava.shards import ShardedEngine
 from tests.conftest import DEMO_MODEL_DIR
 from tests.unit.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn

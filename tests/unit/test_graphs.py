@@ -1,4 +1,4 @@
-"""Decode steps at static shapes (llava.graphs), on CPU: padded to a bucket they answer what
+"""Decode steps at static shapes (llava.exec.graphs), on CPU: padded to a bucket they answer what
 the packed step answers, and the whole step is one graph for torch.compile (no graph break),
 which is what lets CUDA capture it. The capture itself runs only on CUDA (make gpu-check); its
 loop (a bucket that fails is left eager, out of memory stops) runs here with the CUDA pieces
@@ -12,15 +12,15 @@ import logging
 import pytest
 import torch
 
-import llava.graphs
+import llava.exec.graphs
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
-from llava.decoding import Chooser
 from llava.engine import Engine
-from llava.generation import GenerationParams
-from llava.graphs import BUCKETS, DecodeGraphs, StaticDecode, bucket_for
-from llava.runner import Runner, RunnerCounters, StepInput
-from llava.sampling import Sampler
+from llava.exec.graphs import BUCKETS, DecodeGraphs, StaticDecode, bucket_for
+from llava.exec.runner import Runner, RunnerCounters, StepInput
+from llava.sampling.chooser import Chooser
+from llava.sampling.params import GenerationParams
+from llava.sampling.sampler import Sampler
 from tests.unit.test_engine import SMALL_BUDGET, answers_of
 from tests.unit.test_runner import QUESTIONS, tiny_llava
 
@@ -101,7 +101,7 @@ def test_the_decode_step_compiles_as_one_graph(decoding):
         assert torch.equal(compiled(*step.inputs()), eager)
 
 
-# -- the capture loop on CPU: llava.graphs' CUDA pieces stood in for -------------------------
+# -- the capture loop on CPU: llava.exec.graphs' CUDA pieces stood in for -------------------------
 class EagerGraph:
     """Stands in for a captured CUDA graph: a replay runs the step eagerly into its output."""
 
@@ -124,7 +124,7 @@ class SevensGraph:
 
 
 def capture_failing_at(bucket: int, error: BaseException, eager: bool = True):
-    """A stand-in for llava.graphs._capture that raises ``error`` for ``bucket``; the others
+    """A stand-in for llava.exec.graphs._capture that raises ``error`` for ``bucket``; the others
     are "captured" as an EagerGraph (``eager``) or a SevensGraph."""
 
     def capture(runner, step: StaticDecode) -> None:
@@ -142,8 +142,8 @@ def capture_failing_at(bucket: int, error: BaseException, eager: bool = True):
 
 @pytest.fixture
 def cpu_captures(monkeypatch):
-    monkeypatch.setattr(llava.graphs, "capturable", lambda device: True)
-    monkeypatch.setattr(llava.graphs, "_reserved_bytes", lambda device: 0)
+    monkeypatch.setattr(llava.exec.graphs, "capturable", lambda device: True)
+    monkeypatch.setattr(llava.exec.graphs, "_reserved_bytes", lambda device: 0)
 
 
 @pytest.mark.parametrize(
@@ -158,12 +158,12 @@ def test_a_bucket_that_fails_to_capture_is_left_eager(
     decoding, cpu_captures, monkeypatch, caplog, error, captured, failed
 ):
     runner, kvs, _other = decoding
-    monkeypatch.setattr(llava.graphs, "_capture", capture_failing_at(2, error, eager=False))
+    monkeypatch.setattr(llava.exec.graphs, "_capture", capture_failing_at(2, error, eager=False))
     graphs = DecodeGraphs(runner)
-    with caplog.at_level(logging.WARNING, logger="llava.graphs"):
+    with caplog.at_level(logging.WARNING, logger="llava.exec.graphs"):
         assert graphs.capture(4, budget_bytes=1 << 30) == captured
     assert graphs.failed == failed
-    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.graphs"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.exec.graphs"]
     assert warnings == [
         f"decode graph of bucket {size} not captured (its steps run eagerly): {why}"
         for size, why in failed.items()
@@ -178,16 +178,16 @@ def test_an_engine_whose_graph_capture_fails_answers_as_the_default(
     demo_model, cpu_captures, monkeypatch, caplog
 ):
     failure = RuntimeError("capture failed\nCUDA error: operation not permitted when capturing")
-    monkeypatch.setattr(llava.graphs, "_capture", capture_failing_at(2, failure))
+    monkeypatch.setattr(llava.exec.graphs, "_capture", capture_failing_at(2, failure))
     image = held_out_samples(1, seed=35_000)[0].image
     engine = Engine(
         demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET, max_batch=2
     )
-    with caplog.at_level(logging.WARNING, logger="llava.graphs"):
+    with caplog.at_level(logging.WARNING, logger="llava.exec.graphs"):
         engine.warm_up()
     assert sorted(engine.runner.graphs.steps) == [1]
     assert engine.runner.graphs.failed == {2: "RuntimeError: capture failed"}
-    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.graphs"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llava.exec.graphs"]
     assert len(warnings) == 1 and "bucket 2" in warnings[0] and "capture failed" in warnings[0]
     assert engine.stats().runner == RunnerCounters(graph_capture_failures=1)
     replays = EagerGraph.replays
@@ -202,9 +202,9 @@ def test_a_small_pool_still_gets_graphs_up_to_the_floor(decoding, cpu_captures, 
     runner, _kvs, _other = decoding
     assert runner.pool.allocated_bytes // 20 < 40 << 20
     never = capture_failing_at(0, RuntimeError("no bucket 0"), eager=False)
-    monkeypatch.setattr(llava.graphs, "_capture", never)
+    monkeypatch.setattr(llava.exec.graphs, "_capture", never)
     readings = itertools.count(step=100 << 20)  # each capture reads before and after: +100 MiB
-    monkeypatch.setattr(llava.graphs, "_reserved_bytes", lambda device: next(readings))
+    monkeypatch.setattr(llava.exec.graphs, "_reserved_bytes", lambda device: next(readings))
     graphs = runner.capture_graphs(64)
     assert sorted(graphs.steps) == [1, 2, 4, 8, 16]  # 5 x 100 MiB fit 512 MiB, a sixth not
     assert graphs.reserved_bytes == 500 << 20

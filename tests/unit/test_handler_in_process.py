@@ -10,7 +10,7 @@ import pytest
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.memory import MemoryBudget
+from llava.kv.memory import MemoryBudget
 from scripts.handler_harness import InProcessWorker
 from tests.intake_servers import image_bytes
 

@@ -10,8 +10,8 @@ from PIL import Image, ImageDraw
 
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
-from llava.imageprep import PAD, image_aspect_ratio, mean_fill, pad_to_square, prepare_image
-from llava.memory import MemoryBudget
+from llava.kv.memory import MemoryBudget
+from llava.model.imageprep import PAD, image_aspect_ratio, mean_fill, pad_to_square, prepare_image
 
 
 def wide_orange_circle() -> Image.Image:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlavaConfig
 
-from llava.kv_pool import KVPool, KVPoolFull
+from llava.kv.pool import KVPool, KVPoolFull
 
 LLAVA_15 = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 TINY = LlamaConfig(

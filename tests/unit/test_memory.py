@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llava.errors import NoCapacity, SessionNotFound
-from llava.memory import MemoryManager, Shortfall, Tier
+from llava.kv.memory import MemoryManager, Shortfall, Tier
 from tests.memory_helpers import (
     FEATURE_HIDDEN,
     FakeClock,

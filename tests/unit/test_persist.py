@@ -1,4 +1,4 @@
-"""The persistent tier (llava/persist.py): entries written at open and after each committed
+"""The persistent tier (llava/sessions/persist.py): entries written at open and after each committed
 turn, adopted by a new engine of the same model; every bad entry is removed with a log line
 and never used (docs/design.md §Persistent tier)."""
 
@@ -11,13 +11,20 @@ import time
 import pytest
 import torch
 
-from handlers.interrupted import StreamEnd
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.errors import SessionNotFound
-from llava.memory import MemoryBudget
-from llava.persist import FEATURES, GONE_LOG, STATE, SessionJournal, Snapshot, check_directory
-from llava.session import Tier
+from llava.kv.memory import MemoryBudget
+from llava.sessions.persist import (
+    FEATURES,
+    GONE_LOG,
+    STATE,
+    SessionJournal,
+    Snapshot,
+    check_directory,
+)
+from llava.sessions.session import Tier
+from serving.interrupted import StreamEnd
 
 QUESTIONS = ["What shape is it?", "And its color?", "Say that again.", "What color is the shape?"]
 MODEL = "model-a"
@@ -91,7 +98,7 @@ def test_close_and_expiry_remove_entries(demo_model, sample, tmp_path):
 
 def test_entries_of_another_model_are_removed_with_a_log_line(tmp_path, caplog):
     SessionJournal(tmp_path, 1 << 20, "model-b").save(snapshot(), torch.ones(4, 8))
-    with caplog.at_level(logging.WARNING, "llava.persist"):
+    with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
         assert SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()).live == []
     assert "another model's entry" in caplog.text
     assert not list(tmp_path.iterdir())
@@ -111,7 +118,7 @@ def test_corrupt_or_truncated_entries_are_removed(tmp_path, caplog, damage, suff
         "empty": b"",
     }[damage]
     path.write_bytes(damaged)
-    with caplog.at_level(logging.WARNING, "llava.persist"):
+    with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
         adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()).live
     assert [e.snapshot.session_id for e in adopted] == ["good"]
     assert torch.equal(adopted[0].features, torch.ones(4, 8))
@@ -145,7 +152,7 @@ def test_the_directory_never_grows_past_its_cap(tmp_path, caplog):
     probe.save(snapshot("probe"), torch.ones(64, 64))
     per_session = probe.total_bytes
     journal = SessionJournal(tmp_path / "cap", int(per_session * 2.5), MODEL)
-    with caplog.at_level(logging.WARNING, "llava.persist"):
+    with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
         kept = [journal.save(snapshot(f"s{i}"), torch.ones(64, 64)) for i in range(4)]
     assert kept == [True, True, False, False]
     assert "directory is full" in caplog.text
@@ -255,7 +262,7 @@ def test_a_failing_write_never_fails_the_turn(demo_model, sample, tmp_path, monk
 
 
 def test_the_gone_log_keeps_only_the_newest_ids(tmp_path, monkeypatch):
-    monkeypatch.setattr("llava.persist.REMEMBERED_GONE", 3)
+    monkeypatch.setattr("llava.sessions.persist.REMEMBERED_GONE", 3)
     journal = SessionJournal(tmp_path, 1 << 20, MODEL)
     for n in range(10):
         journal.remove(f"s{n}", "SESSION_CLOSED")

@@ -13,7 +13,7 @@ import torch
 from transformers import LlavaForConditionalGeneration
 
 from llava.config import SettingsError
-from llava.model import load_model, shard_devices
+from llava.model.loading import load_model, shard_devices
 from tests.conftest import DEMO_MODEL_DIR
 
 

@@ -22,7 +22,7 @@ from handlers.protocol import (
 )
 from llava import errors
 from llava.errors import EngineError, InvalidRequest
-from llava.generation import GenerationParams
+from llava.sampling.params import GenerationParams
 from tests.strategies import json_values
 
 SID = "3f2a-9b7c-0d1e"

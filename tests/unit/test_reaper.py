@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from llava.reaper import Reaper, reap_period_s
-from llava.store import SessionStore
+from llava.sessions.reaper import Reaper, reap_period_s
+from llava.sessions.store import SessionStore
 from tests.memory_helpers import FakeClock, make_session, new_memory
 
 

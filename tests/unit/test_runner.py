@@ -1,6 +1,6 @@
 """The packed step runner against the model's own forward (fp32, CPU).
 
-Oracle: ``model(ids, past_key_values=DynamicCache)`` through ``llava.decoding.prefill``, the
+Oracle: ``model(ids, past_key_values=DynamicCache)`` through ``llava.sampling.chooser.prefill``, the
 call the engine made before the runner existed. Models: the committed demo model, and a tiny
 random LLaVA built from llava-1.5-7b-hf's own config (shrunk, with grouped KV heads and random
 biases so those paths count) driven by the checkpoint's real tokenizer and processor.
@@ -18,13 +18,13 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, DynamicCache, LlavaConfig, LlavaForConditionalGeneration
 
-import llava.runner
+import llava.exec.runner
 from demo_model.evaluation import QUESTIONS
 from demo_model.synthetic import held_out_samples
-from llava.decoding import prefill
-from llava.kv_pool import KVPool
-from llava.prompt import ChatPrompt, user_message
-from llava.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
+from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
+from llava.kv.pool import KVPool
+from llava.model.prompt import ChatPrompt, user_message
+from llava.model.reference import prefill
 
 LLAVA_15 = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 TINY_IMAGE_PX = 56  # 16 image tokens of 14 px patches
@@ -316,7 +316,7 @@ def test_a_failing_flex_step_changes_nothing_and_auto_runs_it_again_on_sdpa(demo
             runner.step([StepInput(kv, ids, features)])
         length = kv.length
         with monkeypatch.context() as patch:
-            patch.setattr(llava.runner, "paged_attention", broken)
+            patch.setattr(llava.exec.runner, "paged_attention", broken)
             if attention == "flex":
                 with pytest.raises(PagedAttentionFailed, match="RuntimeError: no kernel for"):
                     runner.step([StepInput(kv, [7], None)])

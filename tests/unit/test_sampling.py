@@ -1,13 +1,13 @@
-"""Choosing ids on the device (llava.sampling): greedy is the masked argmax, a seeded draw is
-a function of (seed, count) alone, and draws follow the filtered softmax."""
+"""Choosing ids on the device (llava.sampling.sampler): greedy is the masked argmax, a seeded
+draw is a function of (seed, count) alone, and draws follow the filtered softmax."""
 
 from __future__ import annotations
 
 import torch
 
-from llava.decoding import Chooser
-from llava.generation import GenerationParams
-from llava.sampling import Sampler, uniform_noise
+from llava.sampling.chooser import Chooser
+from llava.sampling.params import GenerationParams
+from llava.sampling.sampler import Sampler, uniform_noise
 
 VOCAB = 12
 BANNED = [0, 1]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from llava.scheduler import Scheduler
+from llava.sched.scheduler import Scheduler
 
 
 @dataclass(eq=False)

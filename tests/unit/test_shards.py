@@ -13,7 +13,7 @@ from llava import shards as shards_module
 from llava.config import EngineConfig, SettingsError, load_config
 from llava.engine import Engine
 from llava.errors import SessionIdInUse, SessionNotFound, ShardFailed
-from llava.memory import MemoryBudget, Tier
+from llava.kv.memory import MemoryBudget, Tier
 from llava.shards import ShardedEngine, image_open_bytes
 from scripts.handler_harness import InProcessWorker
 from tests.conftest import DEMO_MODEL_DIR

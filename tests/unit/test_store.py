@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from llava.errors import SessionIdInUse, SessionNotFound
-from llava.memory import Holding, Tier
-from llava.store import SessionStore, new_session_id
+from llava.kv.memory import Holding, Tier
+from llava.sessions.store import SessionStore, new_session_id
 from tests.memory_helpers import FakeClock, make_session, new_memory, new_store
 
 SAGEMAKER_SESSION_ID = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")

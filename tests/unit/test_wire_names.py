@@ -7,7 +7,7 @@ import re
 
 import llava_wire
 from llava import errors
-from llava.store import CLOSED, EVICTED, EXPIRED
+from llava.sessions.store import CLOSED, EVICTED, EXPIRED
 from llava_wire import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 from tests.conftest import REPO
 

@@ -19,16 +19,16 @@ from datetime import datetime
 
 import torch
 
-from llava.decoding import Chooser
-from llava.detokenizer import Detokenizer
 from llava.errors import InvalidRequest
-from llava.generation import GenerationParams
-from llava.memory import Holding, MemoryManager, Shortfall, Tier
-from llava.persist import NoJournal, SessionJournal, Snapshot
-from llava.prompt import ChatPrompt, assistant_message, common_prefix_length, user_message
-from llava.runner import StepInput
-from llava.session import Session
-from llava.store import SessionStore, new_session_id
+from llava.exec.runner import StepInput
+from llava.kv.memory import Holding, MemoryManager, Shortfall, Tier
+from llava.model.prompt import ChatPrompt, assistant_message, common_prefix_length, user_message
+from llava.sampling.chooser import Chooser
+from llava.sampling.detokenizer import Detokenizer
+from llava.sampling.params import GenerationParams
+from llava.sessions.persist import NoJournal, SessionJournal, Snapshot
+from llava.sessions.session import Session
+from llava.sessions.store import SessionStore, new_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class RequestContext:
     encode_image: Callable[[torch.Tensor], torch.Tensor]  # pixels → (image tokens, hidden)
     tokenizer: object
     eos_token_ids: frozenset[int]
-    banned_ids: object  # llava.logits_mask.banned_token_ids
+    banned_ids: object  # llava.sampling.logits_mask.banned_token_ids
     image_token_id: int
     max_positions: int
     journal: SessionJournal | NoJournal = NoJournal()

@@ -175,7 +175,7 @@ class KVPool:
 
     def _clear_never_used(self, blocks) -> None:
         """Zero blocks handed out for the first time. Attention reads a whole block and masks
-        the slots past a sequence's position (llava.attention), and a masked weight of 0 times
+        the slots past a sequence's position (llava.exec.attention), and a masked weight of 0 times
         an uninitialised NaN is NaN: every slot must hold a finite value, once."""
         fresh = [block for block in blocks if self._never_used[block]]
         bt = self.block_tokens

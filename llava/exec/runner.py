@@ -4,13 +4,13 @@ The tokens of every sequence in the batch (a prefill tail or one decoded id each
 into one [tokens, hidden] matrix with no padding, so each layer's projections and MLP run as
 one batched matmul. Attention is the ``attention`` setting (EngineConfig.attention): ``flex``,
 one paged flex_attention call per layer for every decode row over the pool as it lies
-(llava.attention: a block mask from the block tables, no gather); ``sdpa``, one SDPA per
+(llava.exec.attention: a block mask from the block tables, no gather); ``sdpa``, one SDPA per
 sequence read in place; ``auto``, flex on CUDA and sdpa on CPU (measured faster there).
 Prefill chunks get one SDPA each. Under ``auto`` a flex call that raises (its compile, most
 likely; the engine's warm-up is the first to make one) switches the runner to sdpa for good,
 the step is run again, and the switch is logged once and counted; a forced ``flex`` lets the
-error out (PagedAttentionFailed). The step's index tensors are built once (llava.step_meta)
-and the next ids are chosen on the device (llava.sampling). The layers' own modules do the
+error out (PagedAttentionFailed). The step's index tensors are built once (llava.exec.step_meta)
+and the next ids are chosen on the device (llava.sampling.sampler). The layers' own modules do the
 maths, so the weights, norms and rotary embedding are the checkpoint's
 (docs/design.md §Step runner).
 """
@@ -23,16 +23,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llava import graphs as decode_graphs
-from llava.attention import paged_attention
 from llava.config import ATTENTION
 from llava.counters import Counters
-from llava.decoding import Chooser
-from llava.generation import GenerationParams
-from llava.graphs import GRAPHS_BUDGET_FLOOR, DecodeGraphs, one_line
-from llava.kv_pool import KVPool, SessionKV, kv_geometry
-from llava.sampling import Sampler, SamplingRows
-from llava.step_meta import StepBuffers, StepMeta, build_step_meta, row_meta
+from llava.exec import graphs as decode_graphs
+from llava.exec.attention import paged_attention
+from llava.exec.graphs import GRAPHS_BUDGET_FLOOR, DecodeGraphs, one_line
+from llava.exec.step_meta import StepBuffers, StepMeta, build_step_meta, row_meta
+from llava.kv.pool import KVPool, SessionKV, kv_geometry
+from llava.sampling.chooser import Chooser
+from llava.sampling.params import GenerationParams
+from llava.sampling.sampler import Sampler, SamplingRows
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Runner:
         if attention == "auto":
             attention = "flex" if pool.kv.device.type == "cuda" else "sdpa"
         self.attention = attention  # the path in effect: "flex" or "sdpa"
-        self.graphs = None  # llava.graphs.DecodeGraphs, when captured (CUDA)
+        self.graphs = None  # llava.exec.graphs.DecodeGraphs, when captured (CUDA)
         self._counters = RunnerCounters()
 
     @classmethod
@@ -169,7 +169,7 @@ class Runner:
     def next_ids(self, batch: list[StepInput]) -> list[int]:
         """``step``, then each sequence's next id chosen on the device by its chooser (greedy
         without one); the ids are the step's one copy to the host. Decode-only batches replay
-        a captured graph when one was captured for their size (llava.graphs)."""
+        a captured graph when one was captured for their size (llava.exec.graphs)."""
         self._check(batch)
         choosers = [item.chooser or self._greedy_chooser() for item in batch]
         ids = self.graphs.run(batch, choosers) if self.graphs is not None else None
@@ -193,7 +193,7 @@ class Runner:
 
     def capture_graphs(self, max_batch: int) -> DecodeGraphs | None:
         """On CUDA, capture decode graphs for the buckets up to ``max_batch`` whose memory
-        fits a twentieth of the pool's bytes, at least GRAPHS_BUDGET_FLOOR (llava.graphs);
+        fits a twentieth of the pool's bytes, at least GRAPHS_BUDGET_FLOOR (llava.exec.graphs);
         elsewhere nothing (None). A bucket whose capture raised is counted
         (``graph_capture_failures``) and runs eagerly.
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llava.attention import BUCKETS
-from llava.decoding import Chooser
-from llava.sampling import SamplingRows
+from llava.exec.attention import BUCKETS
+from llava.sampling.chooser import Chooser
+from llava.sampling.sampler import SamplingRows
 
 logger = logging.getLogger(__name__)
 # The least memory decode graphs may take: on an H200 a demo model's 1 GiB pool (a twentieth:

@@ -13,7 +13,7 @@ One lock guards the pool's block map, the host bytes and every holding. Under de
 a reservation moves the least recently used idle sessions down one rung at a time: device KV
 to host (older host copies dropped to make room), then whole sessions out. A reservation that
 could not fit even so returns a ``Shortfall`` value (the loop waits or answers Busy) and moves
-nobody. The registry (llava.store) pins a session for its turn and learns of evictions from
+nobody. The registry (llava.sessions.store) pins a session for its turn and learns of evictions from
 ``drain_evicted``; the manager never calls the registry (lock order: registry, then memory).
 """
 
@@ -30,7 +30,7 @@ import torch
 
 from llava.counters import Counters
 from llava.errors import NoCapacity
-from llava.kv_pool import KVPool, SessionKV
+from llava.kv.pool import KVPool, SessionKV
 
 RETRY_AFTER_S = 1.0  # a turn lasts seconds: by then running turns have ended and are idle
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llava.decoding import Chooser
+from llava.sampling.chooser import Chooser
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # < 2**27: products of 32-bit values stay below 2**63 in int64

@@ -1,11 +1,12 @@
 """SessionStore: the session registry. Session id → Session, idle TTL, close, remembered ids,
 and the order of one session's turns. It holds no memory policy: the memory manager
-(llava.memory) owns every byte; the store pins a session's holding for its turn, releases it
+(llava.kv.memory) owns every byte; the store pins a session's holding for its turn, releases it
 when the session goes, and learns which sessions the manager evicted (docs/design.md
 §Memory policy).
 
 - A session idle for longer than ``ttl_s`` expires: it is removed at the next store call, or
-  by ``reap()`` (which ``llava.reaper.Reaper`` calls on a timer, so an idle server frees it).
+  by ``reap()`` (which ``llava.sessions.reaper.Reaper`` calls on a timer, so an idle server
+  frees it).
 - Turns of one session are serialized by its lock; a session in a turn is pinned: never
   moved, evicted or expired underneath it.
 Removed ids are remembered (bounded) so a caller learns *why* an id is no longer valid, a
@@ -27,9 +28,9 @@ from typing import Protocol
 
 from llava.counters import Counters
 from llava.errors import SessionIdInUse, SessionNotFound
-from llava.memory import Holding, IntegrityError
-from llava.persist import REMEMBERED_GONE, NoJournal
-from llava.session import Session
+from llava.kv.memory import Holding, IntegrityError
+from llava.sessions.persist import REMEMBERED_GONE, NoJournal
+from llava.sessions.session import Session
 
 # Why an id is gone → the error code its caller gets.
 CLOSED, EXPIRED, EVICTED = "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED"
@@ -43,7 +44,7 @@ _MESSAGES = {
 
 
 class Holdings(Protocol):
-    """What the registry asks of the memory manager (llava.memory.MemoryManager)."""
+    """What the registry asks of the memory manager (llava.kv.memory.MemoryManager)."""
 
     def adopt(self, holding: Holding, label: str) -> None: ...
     def pin(self, holding: Holding) -> bool: ...
@@ -54,7 +55,7 @@ class Holdings(Protocol):
 
 
 class Entries(Protocol):
-    """What the registry asks of the persistent tier (llava.persist): a session that goes
+    """What the registry asks of the persistent tier (llava.sessions.persist): a session that goes
     loses its entry."""
 
     def remove(self, session_id: str, reason: str | None = None) -> None: ...

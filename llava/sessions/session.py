@@ -1,6 +1,6 @@
 """A session: its conversation, its turn lock, and the memory it holds.
 
-The memory (KV on device or host, image features) belongs to llava.memory's manager; the
+The memory (KV on device or host, image features) belongs to llava.kv.memory's manager; the
 session only points at its ``Holding`` (docs/design.md §Memory policy).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from llava.kv_pool import SessionKV
-from llava.memory import Holding, Tier
+from llava.kv.memory import Holding, Tier
+from llava.kv.pool import SessionKV
 
 __all__ = ["Session", "Tier"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from llava.attention import paged_block_mask
+from llava.exec.attention import paged_block_mask
 
 
 @dataclass(frozen=True)

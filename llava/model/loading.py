@@ -13,8 +13,8 @@ import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from llava.config import SettingsError
-from llava.imageprep import image_aspect_ratio
-from llava.prompt import ChatPrompt
+from llava.model.imageprep import image_aspect_ratio
+from llava.model.prompt import ChatPrompt
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class LoadedModel:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     max_positions: int
-    image_aspect_ratio: str | None = None  # "pad": keep the whole image (llava/imageprep.py)
+    image_aspect_ratio: str | None = None  # "pad": keep the whole image (llava/model/imageprep.py)
 
     @property
     def tokenizer(self):

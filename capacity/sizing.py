@@ -1,13 +1,10 @@
 """How many sessions an instance holds: bytes per session at each memory tier, by arithmetic.
 
-    python -m llava.capacity --model-dir DIR [--instance ml.g5.2xlarge | --gpu-memory 24GiB]
-                             [--turns 10] [--tokens-per-turn 60] [--dtype float16]
-
 Reads the checkpoint's config.json, tokenizer and chat template only (no weights): the model is
 built on PyTorch's meta device, so its parameter bytes are exact and nothing is allocated. The
 per-session bytes come from the engine's own accounting: the KV pool's bytes per token and block
-size (llava.kv_pool), a session's KV and features in whole pool blocks (llava.memory), the
-opening prompt (llava.prompt) and the engine's budget rule (llava.engine)
+size (llava.kv.pool), a session's KV and features in whole pool blocks (llava.kv.memory), the
+opening prompt (llava.model.prompt) and the engine's budget rule (llava.kv.budget)
 (docs/design.md §Capacity by arithmetic).
 Kept thin on purpose: each number is one call into the code that does the accounting.
 """
@@ -16,56 +13,20 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
 
+from capacity.instances import GB, GiB, Instance
 from llava.config import EngineConfig
-from llava.engine import DEFAULT_HOST_FRACTION, device_split
-from llava.imageprep import image_aspect_ratio
-from llava.kv_pool import BLOCK_TOKENS, kv_bytes_per_token
-from llava.memory import session_feature_bytes, session_kv_bytes
-from llava.prompt import ChatPrompt
-from llava.runner import Runner
-
-GiB, GB = 1024**3, 10**9
-
-
-@dataclass(frozen=True)
-class Instance:
-    gpus: int
-    gpu_memory_bytes: int  # per GPU
-    host_memory_bytes: int
-    source: str
-
-
-_BATCH_GPU_TABLE = "AWS Batch User Guide, 'Run GPU jobs', instance table"
-# SageMaker's ml.<type> runs on the EC2 instance of the same name. Figures as the source states
-# them (GiB where it says GiB, GB where it says GB); the engine itself sizes from the memory
-# the driver reports free after loading, which is somewhat less.
-INSTANCES: dict[str, Instance] = {
-    "ml.g5.xlarge": Instance(1, 24 * GiB, 16 * GiB, _BATCH_GPU_TABLE),
-    "ml.g5.2xlarge": Instance(1, 24 * GiB, 32 * GiB, _BATCH_GPU_TABLE),
-    "ml.g5.12xlarge": Instance(4, 24 * GiB, 192 * GiB, _BATCH_GPU_TABLE),
-    "ml.g6.xlarge": Instance(1, 24 * GiB, 16 * GiB, _BATCH_GPU_TABLE),
-    "ml.g6.2xlarge": Instance(1, 24 * GiB, 32 * GiB, _BATCH_GPU_TABLE),
-    "ml.g6e.xlarge": Instance(
-        1,
-        48 * GB,
-        32 * GiB,
-        "NVIDIA L40S datasheet (48 GB GDDR6); host: 4 vCPU, 32 GiB "
-        "(torchx named_resources_aws aws_g6e_xlarge; deploybase.ai 'L40S on AWS')",
-    ),
-    "ml.p4d.24xlarge": Instance(
-        8,
-        40 * GB,
-        int(1.1 * 10**12),
-        "AWS HPC blog 'Amazon EC2 P4d instances deep dive': 8 x 40 GB A100, 1.1 TB RAM",
-    ),
-}
+from llava.exec.runner import Runner
+from llava.kv.budget import device_split
+from llava.kv.memory import session_feature_bytes, session_kv_bytes
+from llava.kv.pool import BLOCK_TOKENS, kv_bytes_per_token
+from llava.model.imageprep import image_aspect_ratio
+from llava.model.prompt import ChatPrompt
 
 
 @dataclass(frozen=True)
@@ -76,7 +37,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class SessionBytes:
-    """One session's bytes, as the memory manager (llava.memory) counts them."""
+    """One session's bytes, as the memory manager (llava.kv.memory) counts them."""
 
     tokens: int
     kv: int  # whole pool blocks (device KV, or the same bytes held in host RAM)
@@ -117,7 +78,8 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype) -> Checkpoint:
 
 
 def refusal(model, prompt: ChatPrompt) -> str | None:
-    """What the engine's start would fail with (the checks llava.model and llava.runner run)."""
+    """What the engine's start would fail with (the checks llava.model.loading and
+    llava.exec.runner run)."""
     try:
         Runner.check(model)
         image_aspect_ratio(model.config)
@@ -154,7 +116,7 @@ def fit(
     shards: int = 1,
 ) -> Fit:
     """Sessions per instance of ``shards`` engine shards, one per GPU of ``gpu_bytes``
-    (llava.shards). Each shard's device budget is the engine's rule (llava.engine.device_split
+    (llava.shards). Each shard's device budget is the engine's rule (llava.kv.budget.device_split
     of the memory free after loading), with "free" taken as GPU memory minus the weights; each
     gets ``host_bytes // shards`` of the host tier, as ShardedEngine.from_config splits it."""
     device = max(0, device_split(config, gpu_bytes - checkpoint.weight_bytes)[0])
@@ -236,63 +198,3 @@ def report(
     sources = sorted({i.source for i in rows.values()})
     lines += ["", "instance figures: " + "; ".join(sources)]
     return "\n".join(lines)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m llava.capacity", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--model-dir", required=True, help="a llava-hf checkpoint directory")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument(
-        "--instance",
-        action="append",
-        choices=sorted(INSTANCES),
-        help="repeatable; default: every listed one",
-    )
-    where.add_argument("--gpu-memory", type=parse_size, help="one GPU of this size, e.g. 24GiB")
-    parser.add_argument(
-        "--host-memory",
-        type=parse_size,
-        default=32 * GiB,
-        help="with --gpu-memory: the host's RAM (default 32GiB)",
-    )
-    parser.add_argument("--turns", type=int, default=Workload.turns)
-    parser.add_argument("--tokens-per-turn", type=int, default=Workload.tokens_per_turn)
-    parser.add_argument(
-        "--dtype",
-        choices=("float16", "bfloat16", "float32"),
-        default="float16",
-        help="2 bytes for float16 and bfloat16 (what dtype=auto picks on a GPU)",
-    )
-    parser.add_argument(
-        "--host-fraction",
-        type=float,
-        default=DEFAULT_HOST_FRACTION,
-        help="share of host RAM for the host KV tier (default: the engine's, when"
-        " host_budget_bytes is unset; of the RAM free at start, which is somewhat less)",
-    )
-    args = parser.parse_args(argv)
-    if args.turns < 0 or args.tokens_per_turn < 0:
-        parser.error("--turns and --tokens-per-turn must be >= 0")
-    if not 0 < args.host_fraction <= 1:
-        parser.error("--host-fraction must be in (0, 1]")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.gpu_memory:
-        rows = {"(given)": Instance(1, args.gpu_memory, args.host_memory, "--gpu-memory")}
-    elif args.instance:
-        rows = {name: INSTANCES[name] for name in args.instance}
-    else:
-        rows = INSTANCES
-    checkpoint = load_checkpoint(args.model_dir, getattr(torch, args.dtype))
-    workload = Workload(args.turns, args.tokens_per_turn)
-    print(report(checkpoint, workload, rows, args.host_fraction, EngineConfig(args.model_dir)))
-    return 0 if checkpoint.refusal is None else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

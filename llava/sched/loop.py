@@ -19,15 +19,15 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from llava.errors import Busy
-from llava.memory import Shortfall
-from llava.runner import Runner, StepInput
-from llava.scheduler import Scheduler
+from llava.exec.runner import Runner, StepInput
+from llava.kv.memory import Shortfall
+from llava.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
 class Request(Protocol):
-    """What the loop runs (llava.requests): an opening prefill or a question's turn."""
+    """What the loop runs (llava.sched.work): an opening prefill or a question's turn."""
 
     future: Future
     deadline: float  # time.monotonic() by which it must have ended
