@@ -22,7 +22,7 @@ from ts.metrics.metric_type_enum import MetricTypes
 from llava.engine import Answer
 from llava.shards import ShardStats
 
-# (registry, memory or runner counters, counter) → metric name
+# (store, memory or runner counters, counter) → metric name
 _COUNTERS = {
     ("store", "opened"): "SessionsOpened",
     ("store", "closed"): "SessionsClosed",

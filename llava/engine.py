@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The registry's counters, the memory manager's tiers and the step runner's counters
+    """The store's counters, the memory manager's tiers and the step runner's counters
     (how often it degraded), one snapshot for metrics."""
 
     sessions_by_tier: dict[Tier, int]
@@ -86,7 +86,7 @@ class Engine:
             self.memory, ttl_s=config.session_ttl_s, clock=clock, entries=self.journal
         )
         self.context = RequestContext(
-            registry=self.store,
+            store=self.store,
             memory=self.memory,
             prompt=loaded.prompt,
             encode_image=self.encode_image,
@@ -251,7 +251,7 @@ class Engine:
         )
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError if the memory's books or the registry disagree with what is
+        """Raise IntegrityError if the memory's books or the store disagree with what is
         held (tests; and the loop when idle with check_memory_when_idle)."""
         self.store.check_integrity()
 

@@ -1,4 +1,4 @@
-"""A small real memory manager and sessions on it, for registry and memory tests (no model:
+"""A small real memory manager and sessions on it, for store and memory tests (no model:
 KV "written by a step" is the pool's blocks filled with a number and a length set)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def new_memory(blocks: int = 10_000, host_blocks: int = 0) -> MemoryManager:
 
 
 def new_store(blocks: int = 10_000, host_blocks: int = 0, **options) -> SessionStore:
-    """A registry on a new memory manager, on a FakeClock (``store._clock``'s ``now``)."""
+    """A store on a new memory manager, on a FakeClock (``store._clock``'s ``now``)."""
     options.setdefault("clock", FakeClock())
     return SessionStore(new_memory(blocks, host_blocks), **options)
 
@@ -50,7 +50,7 @@ def write(memory: MemoryManager, session: Session, tokens: int, value: float) ->
 def make_session(
     memory: MemoryManager, tokens=100, feature_rows=10, session_id=None, value: float = 1.0
 ) -> Session:
-    """An opened session (not yet in a registry: its holding is pinned until added)."""
+    """An opened session (not yet in a store: its holding is pinned until added)."""
     holding = memory.hold()
     features = torch.full((feature_rows, FEATURE_HIDDEN), value) if feature_rows else None
     assert memory.reserve(holding, tokens, features) is None

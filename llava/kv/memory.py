@@ -13,8 +13,8 @@ One lock guards the pool's block map, the host bytes and every holding. Under de
 a reservation moves the least recently used idle sessions down one rung at a time: device KV
 to host (older host copies dropped to make room), then whole sessions out. A reservation that
 could not fit even so returns a ``Shortfall`` value (the loop waits or answers Busy) and moves
-nobody. The registry (llava.sessions.store) pins a session for its turn and learns of evictions from
-``drain_evicted``; the manager never calls the registry (lock order: registry, then memory).
+nobody. The store (llava.sessions.store) pins a session for its turn and learns of evictions from
+``drain_evicted``; the manager never calls the store (lock order: store, then memory).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Holding:
     """What one session (or an opening in progress) holds. Read-only outside the manager."""
 
     def __init__(self):
-        self.label: str | None = None  # the session id, once the registry adopts it
+        self.label: str | None = None  # the session id, once the store adopts it
         self.kv: SessionKV | None = None
         self.host: HostKV | None = None
         self.feature_blocks: list[int] = []
@@ -178,7 +178,7 @@ class MemoryManager:
         self._lock = threading.RLock()
         self._holdings: set[Holding] = set()
         self._idle: OrderedDict[Holding, None] = OrderedDict()  # unpinned, least recent first
-        self._evicted: list[str] = []  # labels the registry has not heard of yet
+        self._evicted: list[str] = []  # labels the store has not heard of yet
         self._sessions = {tier: 0 for tier in Tier}  # adopted holdings per tier
         self._feature_blocks = 0
         self._host_bytes = 0
@@ -211,14 +211,14 @@ class MemoryManager:
         return holding
 
     def adopt(self, holding: Holding, label: str) -> None:
-        """The registry took it as session ``label``: counted, and movable once unpinned."""
+        """The store took it as session ``label``: counted, and movable once unpinned."""
         with self._lock:
             holding.label = label
             self._sessions[holding.tier] += 1
             self.unpin(holding)
 
     def pin(self, holding: Holding) -> bool:
-        """Hold it for a turn; False if it was evicted (the registry then forgets it)."""
+        """Hold it for a turn; False if it was evicted (the store then forgets it)."""
         with self._lock:
             if holding.evicted:
                 return False
@@ -459,7 +459,7 @@ class MemoryManager:
     def _store_features(self, holding: Holding, features: torch.Tensor) -> None:
         pool = self.pool
         count = blocks_for(features.numel(), pool.block_numel)
-        blocks = pool.take_blocks(count)
+        blocks = pool.allocate(count)
         data = torch.zeros(pool.blocks_shape(count), dtype=pool.kv.dtype, device=pool.kv.device)
         data.view(-1)[: features.numel()] = features.reshape(-1).to(data.dtype)
         pool.write_blocks(blocks, data)

@@ -84,7 +84,7 @@ class KVPool:
         return SessionKV(self)
 
     # -- whole blocks as data (the memory manager's API: docs/design.md §Memory policy) -----
-    def take_blocks(self, n: int) -> list[int]:
+    def allocate(self, n: int) -> list[int]:
         """``n`` blocks for data other than a sequence's KV (image features), highest free
         first so the low runs stay whole for KV; raises KVPoolFull taking none."""
         if n > self._free_count:
@@ -96,7 +96,7 @@ class KVPool:
         return self._mark_taken(taken)
 
     def give_back(self, blocks: list[int]) -> None:
-        """Blocks from ``take_blocks`` (or a block table) are free again."""
+        """Blocks from ``allocate`` (or a block table) are free again."""
         self._give_back(blocks)
 
     def blocks_shape(self, n: int) -> torch.Size:

@@ -47,9 +47,9 @@ class Request(Protocol):
         """Its next ``n`` pending ids, to feed this step."""
 
     def rewind(self) -> None:
-        """Undo the inputs taken since the last ``take`` (a step that raised)."""
+        """Undo the inputs taken since the last ``accept`` (a step that raised)."""
 
-    def take(self, token: int) -> str | None:
+    def accept(self, token: int) -> str | None:
         """Its next id after a step (chosen on the device by its step input's chooser);
         returns why it ended ("eos", "max_new_tokens"), or None."""
 
@@ -160,9 +160,7 @@ class EngineLoop:
                 self._fail(request, error)
                 continue
             if shortfall is not None:
-                # Running turns end within their deadline and their sessions turn idle (then
-                # movable): wait for them, unless nothing runs or this one's time is up.
-                if not self.scheduler.running or self._clock() >= request.deadline:
+                if not self.scheduler.waits_for_memory(request, self._clock()):
                     busy = Busy(shortfall.message, retry_after_s=shortfall.retry_after_s)
                     self._fail(request, busy)
             else:
@@ -188,7 +186,7 @@ class EngineLoop:
             return
         self.steps += 1
         for (request, _n), token in zip(plan, ids, strict=True):
-            self._take(request, token)
+            self._accept(request, token)
 
     def _step_alone(self, plan) -> None:
         for request, n in plan:
@@ -198,10 +196,10 @@ class EngineLoop:
                 request.rewind()
                 self._fail(request, error)
             else:
-                self._take(request, token)
+                self._accept(request, token)
 
-    def _take(self, request: Request, token: int) -> None:
-        reason = self._guarded(request, request.take, token)
+    def _accept(self, request: Request, token: int) -> None:
+        reason = self._guarded(request, request.accept, token)
         if reason is not None:
             self._end(request, reason)
 

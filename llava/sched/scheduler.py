@@ -8,6 +8,9 @@ Pure bookkeeping (no model, no store), so the policy is testable alone:
   first served) up to ``prefill_chunk_tokens`` ids between them, so a long prefill delays the
   decodes sharing its steps by a bounded amount ("mixed"). With ``mixed=False`` prefill
   steps and decode steps alternate instead (docs/design.md §Mixed or alternating steps).
+- A request the memory manager cannot fit now (it moved every idle session it could) waits
+  while other requests run, since their sessions turn idle (movable) when they end, and is
+  refused Busy once nothing runs or its deadline has passed (``waits_for_memory``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class Schedulable(Protocol):
     order_key: str | None  # requests with the same key run in arrival order, one at a time
     pending: int  # ids not yet fed to the model
     prefilling: bool  # True until the prompt has been fed (it then decodes one id a step)
+    deadline: float  # the clock's time by which it must have ended
 
 
 class Scheduler:
@@ -57,6 +61,10 @@ class Scheduler:
             slots -= 1
         return chosen
 
+    def waits_for_memory(self, request: Schedulable, now: float) -> bool:
+        """Whether ``request``, short of memory, stays waiting (True) or is refused Busy."""
+        return bool(self.running) and now < request.deadline
+
     def start(self, request: Schedulable) -> None:
         self.waiting.remove(request)
         self.running.append(request)
@@ -73,9 +81,9 @@ class Scheduler:
         budget = self.prefill_chunk_tokens
         for request in self.running:
             if request.prefilling and request.pending and budget > 0:
-                take = min(request.pending, budget)
-                prefills.append((request, take))
-                budget -= take
+                count = min(request.pending, budget)
+                prefills.append((request, count))
+                budget -= count
         if self.mixed:
             return prefills + decodes
         prefill_turn = prefills and not (decodes and self._last_was_prefill)

@@ -38,7 +38,7 @@ class RequestContext:
     """What a request may use: no engine, so requests and the engine do not import each
     other (docs/design.md §Memory policy)."""
 
-    registry: SessionStore
+    store: SessionStore
     memory: MemoryManager
     prompt: ChatPrompt
     encode_image: Callable[[torch.Tensor], torch.Tensor]  # pixels → (image tokens, hidden)
@@ -58,7 +58,7 @@ class RequestContext:
             session.messages,
             session.turns,
             time.time(),
-            self.registry.ttl_s,
+            self.store.ttl_s,
         )
         try:
             self.journal.save(snapshot, features)
@@ -121,7 +121,7 @@ class Feed:
     def pending(self) -> int:
         return len(self.ids) - self.fed
 
-    def take(self, n: int, chooser: Chooser | None) -> StepInput:
+    def next_input(self, n: int, chooser: Chooser | None) -> StepInput:
         kv = self.holding.kv
         self._undo = (self.fed, self.images_fed, kv.length)
         chunk = self.ids[self.fed : self.fed + n]
@@ -157,7 +157,7 @@ class _Request:
         return 0 if self.feed is None else self.feed.pending
 
     def step_input(self, n: int) -> StepInput:
-        return self.feed.take(n, self.chooser)
+        return self.feed.next_input(n, self.chooser)
 
     def rewind(self) -> None:
         self.feed.rewind(self.context.memory)
@@ -203,21 +203,21 @@ class OpenRequest(_Request):
     def stop_reason(self, now: float) -> str | None:
         return None  # one prefill: it ends at once
 
-    def take(self, token: int) -> str | None:
+    def accept(self, token: int) -> str | None:
         return None if self.feed.pending else EOS
 
     def finish(self, reason: str) -> None:
-        registry = self.context.registry
+        store = self.context.store
         feed = self.feed
         session = Session(self.session_id or new_session_id(), feed.ids, self.holding)
         with session.lock:  # persisted before anyone else can use it
-            registry.add(session)
+            store.add(session)
             self.holding = None  # the session owns it now
             self.context.persist(session, self.features)
         self.future.set_result(
             Opened(
                 session_id=session.session_id,
-                expires_at=registry.expires_at(session),
+                expires_at=store.expires_at(session),
                 prefill_tokens=len(feed.ids),
                 image_tokens=session.image_tokens,
             )
@@ -258,8 +258,8 @@ class TurnRequest(_Request):
         return not self.chooser.generated
 
     def admit(self) -> Shortfall | None:
-        context, registry, memory = self.context, self.context.registry, self.context.memory
-        session = registry.begin_turn(self.order_key)
+        context, store, memory = self.context, self.context.store, self.context.memory
+        session = store.begin_turn(self.order_key)
         holding = session.holding
         try:
             if self.tier is None:
@@ -277,10 +277,10 @@ class TurnRequest(_Request):
                 extra = len(self.prompt) - self.reused + self.params.max_new_tokens
                 shortfall = memory.reserve(holding, extra)
         except BaseException:
-            registry.end_turn(session)
+            store.end_turn(session)
             raise
         if shortfall is not None:
-            registry.end_turn(session)
+            store.end_turn(session)
             return shortfall
         self.session = session
         reused = self.prompt[: self.reused]
@@ -314,7 +314,7 @@ class TurnRequest(_Request):
             return CANCELLED
         return DEADLINE if now >= self.deadline else None
 
-    def take(self, token: int) -> str | None:
+    def accept(self, token: int) -> str | None:
         if self.feed.pending:
             return None  # a prefill chunk that is not the prompt's last
         self.chooser.record(token)
@@ -336,7 +336,7 @@ class TurnRequest(_Request):
         held_back = self.detokenizer.flush()
         if held_back:
             self._emit(held_back, None)
-        registry, memory, session = self.context.registry, self.context.memory, self.session
+        store, memory, session = self.context.store, self.context.memory, self.session
         generated = self.chooser.generated
         text = self.detokenizer.text
         # No end token in the history: the chat template renders none after an answer, so
@@ -347,9 +347,9 @@ class TurnRequest(_Request):
         session.turns += 1
         memory.crop(session.holding, session.kv.length)  # the blocks reserved but not written
         self.context.persist(session)
-        registry.end_turn(session)
+        store.end_turn(session)
         self.session = None
-        registry.record_turn(len(self.prompt) - self.reused, self.reused)
+        store.record_turn(len(self.prompt) - self.reused, self.reused)
         now = time.monotonic()
         self.future.set_result(
             Answer(
@@ -363,7 +363,7 @@ class TurnRequest(_Request):
                 tier=self.tier,
                 ttft_s=(self.first_token_at or now) - self.arrived,
                 total_s=now - self.arrived,
-                expires_at=registry.expires_at(session),  # the turn restarted the idle clock
+                expires_at=store.expires_at(session),  # the turn restarted the idle clock
             )
         )
 
@@ -371,6 +371,6 @@ class TurnRequest(_Request):
         session = self.session
         if session is not None:  # the KV may hold a partial turn; history and messages do not
             self.context.memory.drop_kv(session.holding)
-            self.context.registry.end_turn(session)
+            self.context.store.end_turn(session)
             self.session = None
         self.future.set_exception(error)

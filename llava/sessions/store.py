@@ -1,4 +1,4 @@
-"""SessionStore: the session registry. Session id → Session, idle TTL, close, remembered ids,
+"""SessionStore: the session store. Session id → Session, idle TTL, close, remembered ids,
 and the order of one session's turns. It holds no memory policy: the memory manager
 (llava.kv.memory) owns every byte; the store pins a session's holding for its turn, releases it
 when the session goes, and learns which sessions the manager evicted (docs/design.md
@@ -44,7 +44,7 @@ _MESSAGES = {
 
 
 class Holdings(Protocol):
-    """What the registry asks of the memory manager (llava.kv.memory.MemoryManager)."""
+    """What the store asks of the memory manager (llava.kv.memory.MemoryManager)."""
 
     def adopt(self, holding: Holding, label: str) -> None: ...
     def pin(self, holding: Holding) -> bool: ...
@@ -55,7 +55,7 @@ class Holdings(Protocol):
 
 
 class Entries(Protocol):
-    """What the registry asks of the persistent tier (llava.sessions.persist): a session that goes
+    """What the store asks of the persistent tier (llava.sessions.persist): a session that goes
     loses its entry."""
 
     def remove(self, session_id: str, reason: str | None = None) -> None: ...
@@ -223,7 +223,7 @@ class SessionStore:
             if held != set(self._sessions):
                 raise IntegrityError(
                     f"{len(held ^ set(self._sessions))} sessions live in only one of the "
-                    "registry and the memory manager"
+                    "store and the memory manager"
                 )
 
     def remembers(self, session_id: str) -> bool:

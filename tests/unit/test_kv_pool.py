@@ -210,7 +210,7 @@ def test_blocks_read_out_come_back_exactly_in_other_blocks():
     copied = pool.read_blocks(first.blocks)
     assert copied.shape == pool.blocks_shape(3) and copied.numel() == 3 * pool.block_numel
     pool.kv.zero_()
-    elsewhere = pool.take_blocks(3)
+    elsewhere = pool.allocate(3)
     assert elsewhere == sorted(elsewhere, reverse=True) and elsewhere[0] == pool.total_blocks - 1
     pool.write_blocks(elsewhere, copied)
     moved = pool.new_kv()

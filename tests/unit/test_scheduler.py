@@ -1,4 +1,5 @@
-"""The scheduler's policy alone: admission order, per-session order, batch cap, step plans."""
+"""The scheduler's policy alone: admission order, per-session order, batch cap, step plans,
+wait or Busy when memory is short."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ class Req:
     order_key: str | None
     pending: int = 1
     prefilling: bool = True
+    deadline: float = 10.0
 
 
 def test_a_sessions_second_request_waits_for_its_first_and_overtakes_nothing():
@@ -34,6 +36,17 @@ def test_a_request_left_waiting_keeps_its_sessions_later_requests_behind_it():
     for request in (a1, a2, opening):
         scheduler.add(request)
     assert scheduler.admissible() == [a1, opening]  # a1 not started (say, Busy): a2 still waits
+
+
+def test_a_request_short_of_memory_waits_only_while_others_run_and_its_time_lasts():
+    scheduler = Scheduler(max_batch=8)
+    short, running = Req("a", deadline=10.0), Req("b")
+    scheduler.add(short)
+    assert not scheduler.waits_for_memory(short, now=0.0)  # nothing runs: nothing will free
+    scheduler.add(running)
+    scheduler.start(running)
+    assert scheduler.waits_for_memory(short, now=9.9)  # its session turns idle (movable) soon
+    assert not scheduler.waits_for_memory(short, now=10.0)  # out of time: Busy
 
 
 def test_no_more_than_max_batch_run_at_once():

@@ -1,4 +1,4 @@
-"""SessionStore, the registry: TTL, close, remembered ids, turn order, and its hand-offs to the
+"""SessionStore: TTL, close, remembered ids, turn order, and its hand-offs to the
 memory manager (pin for a turn, release when gone, evictions learnt)."""
 
 import re
