@@ -1,15 +1,16 @@
 # SageMaker bring-your-own-container image: TorchServe 0.12 with the stateful-llava handler and a
 # CUDA build of torch. SageMaker runs `docker run <image> serve`: docker/serve.py starts
 # TorchServe on internal ports behind a front on 8080 whose /ping is 200 only once a worker is
-# READY, serving the model SageMaker puts under /opt/ml/model (README "Deploying to SageMaker").
+# READY, serving the model SageMaker puts under /opt/ml/model (docs/deploy.md §Deploying, step by
+# step).
 #
 #   make image                                  (docker build -t stateful-llava .)
 #   scripts/build_and_push.sh                   (builds and pushes to ECR)
 #   make test-container                         (the CPU flavour on a local base: the tests)
 #
 # The production build is the defaults: Docker Hub's python base and PyPI's torch, whose CUDA
-# 13.0 build runs on the SageMaker inference AMI `python -m deploy create` asks for (docs/design.md
-# §The image: driver and CUDA).
+# 13.0 build runs on the SageMaker inference AMI `python -m deploy create` asks for
+# (docs/container.md §The image: driver and CUDA).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 

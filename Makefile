@@ -47,9 +47,10 @@ lint: setup
 test: setup lint demo-mar
 	$(PY) -m pytest -q
 
-# The developer's loop: the unit tier alone (no TorchServe, no Java, no Docker, no index).
+# The developer's loop: the unit tier alone (no TorchServe, no Java, no Docker, no index),
+# without its thorough checks (marker `thorough`: `make test` runs them), on every core.
 test-fast: setup
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n auto -m "not thorough" tests/unit
 
 # The container tier (.ci/run runs it after `test`): starts a Docker engine if none answers
 # (installing Debian's docker.io if missing), makes the stand-in base image once, builds the
@@ -92,7 +93,7 @@ bench: demo-mar
 # random-weight model of llava-1.5-7b's shape, the CUDA tests and two shards, each step
 # isolated, its JSON line in .run/gpu-check/results.jsonl (scripts/gpu_check.py). Without
 # CUDA: one line, exit 0. A lent GPU machine runs it without make setup:
-# python3 -u -m scripts.gpu_check --out $OUT (docs/design.md §GPU check).
+# python3 -u -m scripts.gpu_check --out $OUT (docs/testing.md §GPU check).
 gpu-check: setup
 	$(PY) -m scripts.gpu_check --out .run/gpu-check
 

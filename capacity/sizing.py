@@ -5,7 +5,7 @@ built on PyTorch's meta device, so its parameter bytes are exact and nothing is 
 per-session bytes come from the engine's own accounting: the KV pool's bytes per token and block
 size (llava.kv.pool), a session's KV and features in whole pool blocks (llava.kv.memory), the
 opening prompt (llava.model.prompt) and the engine's budget rule (llava.kv.budget)
-(docs/design.md §Capacity by arithmetic).
+(docs/deploy.md §Capacity by arithmetic).
 Kept thin on purpose: each number is one call into the code that does the accounting.
 """
 

@@ -301,7 +301,7 @@ def build_model(
 # Position embeddings are fixed 2D sines (a grid is known from the first step, not learned),
 # and shapes stand upright, mirrored at random. Stage 2 trains the projector and the LM on
 # dialogues. The heads are thrown away: the saved model is a plain LLaVA. What each choice
-# bought: docs/design.md §Demo model: what made shapes learnable.
+# bought: docs/demo-model.md §Demo model: what made shapes learnable.
 
 CORNER_WEIGHT = 8.0  # a shape has 0-12 vertices among 64 patches: weigh the rare positives
 

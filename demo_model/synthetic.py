@@ -178,7 +178,7 @@ def _outline(shape: str, rng: random.Random) -> list[tuple[float, float]] | None
 
     Shapes stand upright as people draw them, tilted a little (triangles sometimes point down):
     with every orientation the tower has far more corner patterns to learn, and named 82 %
-    instead of 90 % of shapes after 1000 steps (docs/design.md §Demo model: what made shapes
+    instead of 90 % of shapes after 1000 steps (docs/demo-model.md §Demo model: what made shapes
     learnable).
     """
     if shape == "circle":

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m deploy",
         description="The serving image on a SageMaker real-time endpoint.",
-        epilog="README: Deploying to SageMaker",
+        epilog="docs/deploy.md: Deploying to SageMaker, step by step",
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--region", help="default: the AWS configuration's region")

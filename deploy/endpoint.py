@@ -24,7 +24,7 @@ from sagemaker.core.shapes import (
 MAX_TIMEOUT_S = 3600
 # The inference AMI whose NVIDIA driver runs the image's torch: PyPI's torch 2.13.0 is a CUDA 13.0
 # build, which needs driver 580 or newer, and of the AMIs botocore's model lists only this one
-# has it (driver 580, CUDA 13.0). docs/design.md §The image: driver and CUDA.
+# has it (driver 580, CUDA 13.0). docs/container.md §The image: driver and CUDA.
 INFERENCE_AMI_VERSION = "al2023-ami-sagemaker-inference-gpu-4-1"
 
 

@@ -1,7 +1,7 @@
 """Fail the image build when the installed torch is not the flavour asked for (cuda or cpu).
 
 A CUDA image with a CPU-only torch would start, load on the CPU and serve 100x slower, so the
-production build stops here instead (docs/design.md §The image).
+production build stops here instead (docs/container.md §The image).
 """
 
 import sys

@@ -22,7 +22,7 @@ it answers 200; model data is under ``/opt/ml/model``. This process
    stopping TorchServe. A container that exits is restarted or replaced by SageMaker, which is
    better than one that crash-loops forever behind a 200.
 
-Engine settings reach the worker as ``LLAVA_*`` variables (README "Configuration"). The
+Engine settings reach the worker as ``LLAVA_*`` variables (docs/settings.md §Engine settings). The
 entrypoint's own settings, all overridable so that tests run it unprivileged on loopback:
 
     SERVE_MODEL_DIR          /opt/ml/model

@@ -4,7 +4,7 @@ TorchServe 0.12 runs ``await handler.handle(data, context)`` as its own asyncio 
 request, on one event loop in the worker's main thread; ``initialize`` runs earlier, before
 that loop exists. Each request's work (image fetch, the engine's blocking calls, sending chunks)
 runs in a thread of ``pool``, so a slow image or a long turn holds up only its own request
-while the engine batches the turns of all sessions (docs/design.md §Architecture).
+while the engine batches the turns of all sessions (docs/architecture.md §Architecture).
 
 The module defines exactly one class: TorchServe takes it as the entry point (a module-level
 ``handle`` function would be called at load time without being awaited).

@@ -5,12 +5,12 @@ readiness and requests in flight) are set from every engine shard's snapshot aft
 request and after every reaper sweep that freed sessions; counters are emitted as the increase
 since the previous snapshot, so the endpoint's totals match the stores'. What comes from a
 shard's snapshot carries a ``Shard`` dimension (its index); summed over it, the worker's
-totals (docs/design.md §Engine shards). A worker emits a metric by printing a line that
+totals (docs/engine/scheduling.md §Engine shards). A worker emits a metric by printing a line that
 TorchServe's frontend parses as it arrives, so the reaper's thread can publish too.
 
 Latencies are in seconds: TorchServe 0.12 builds every Prometheus histogram with the client
 library's default buckets (0.005 ... 10), which fit seconds; milliseconds would land in +Inf
-(docs/design.md §Latency metrics in seconds).
+(docs/serving.md §Latency metrics in seconds).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The wire contract: request bodies and headers in, typed requests out.
 
-Described in docs/design.md §Wire contract.
+Described in docs/wire.md §Wire contract.
 
 Knows nothing of TorchServe, so it is tested (and fuzzed) on its own. Accepts the seeds'
 client shapes too: ``extSessionID`` in the body (on an open: the id the client wants for its

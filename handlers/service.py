@@ -3,7 +3,7 @@
 ``LlavaService.serve`` handles one request, blocking, in a thread of its own (the async entry
 point, handlers/llava_handler.py, runs each request in its pool): image fetch and decode, and
 the wait on the engine, happen there, never on TorchServe's event loop
-(docs/design.md §Architecture).
+(docs/architecture.md §Architecture).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class LlavaService:
         archived = (context.model_yaml_config or {}).get("handler", {})
         # Every setting is checked before anything loads: a bad one fails the start with one
         # line (SettingsError) that serving/torchserve.py shows at once.
-        # One engine shard per device (docs/design.md §Engine shards): TorchServe's gpu_id
-        # is not used, this one worker drives every device its setting names.
+        # One engine shard per device (docs/engine/scheduling.md §Engine shards): TorchServe's
+        # gpu_id is not used, this one worker drives every device its setting names.
         config = load_config(archived, os.environ, context.system_properties["model_dir"])
         policy = IntakePolicy.from_mapping(config.intake)
         try:  # the devices, memory and attention settings are checked against this machine
@@ -170,7 +170,7 @@ class _Reply:
 
         TorchServe 0.12 in async mode drops a request from its frontend's job table only on a
         reply marked as the end of a stream; a plain 200 stays there for ever, holding its
-        request (docs/design.md §TorchServe 0.12 facts). So a 200 goes out as one chunk and
+        request (docs/serving.md §TorchServe 0.12 facts). So a 200 goes out as one chunk and
         the final reply is empty. Not an error: the frontend closes the client's connection
         after a streamed head with a status >= 400.
         """

@@ -1,7 +1,7 @@
 """The asks in flight, per session, so that a CANCEL_TURN request can stop them.
 
 TorchServe 0.12 never tells the worker that a client went away
-(docs/design.md §TorchServe 0.12 facts). The servers in front of it do see the client's socket
+(docs/serving.md §TorchServe 0.12 facts). The servers in front of it do see the client's socket
 close (serving/front.py, local_endpoint/): they send ``{"requestType": "CANCEL_TURN"}`` for the
 session, and each of its asks in flight (running or waiting for the session) ends at the
 engine's next step.

@@ -3,7 +3,7 @@
 In async mode two threads write frames to the socket the frontend reads: our threads send
 streamed chunks (``send_intermediate_predict_response``) while TorchServe's ``send_responses``
 thread sends final replies, each with a bare ``sendall``. A big frame can be interleaved with
-another one and the frontend then reads garbage (docs/design.md §TorchServe 0.12 facts). The
+another one and the frontend then reads garbage (docs/serving.md §TorchServe 0.12 facts). The
 worker hands ``ts.service.Service`` its socket after the model loaded (``set_cl_socket``);
 wrapping it there puts both writers behind one lock.
 """

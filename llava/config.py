@@ -45,20 +45,21 @@ class EngineConfig:
     ``device_headroom_bytes`` is left free for activations and graphs (``None``: on CUDA
     ``1 - session_budget_fraction`` of the free memory, on CPU 0). ``host_budget_bytes``
     bounds the host copies of KV caches moved off the device (``None``: a quarter of the
-    host's free memory; 0: no host tier). See docs/design.md §Memory policy.
+    host's free memory; 0: no host tier). See docs/engine/memory.md §Memory policy.
     """
 
     model_dir: str
     # One engine shard per listed device ("cuda:0,cuda:1"; "cpu,cpu" runs two on the CPU);
-    # "auto" → every visible GPU, else the CPU alone (docs/design.md §Engine shards).
+    # "auto" → every visible GPU, else the CPU alone (docs/engine/scheduling.md §Engine shards).
     device: str = "auto"
     dtype: str = "auto"  # "auto" → float16 on cuda (bfloat16 where supported), float32 on cpu
     attn_implementation: str = "sdpa"
     # The step runner's decode attention (llava.exec.runner.Runner): "flex" (one paged
     # flex_attention call per layer), "sdpa" (one SDPA per sequence), or "auto": flex on CUDA,
-    # sdpa on CPU, and sdpa for good if flex fails there (docs/design.md §Step runner).
+    # sdpa on CPU, and sdpa for good if flex fails there (docs/engine/execution.md §Step runner).
     attention: str = "auto"
-    cuda_graphs: bool = True  # capture decode graphs on CUDA (docs/design.md §Decode graphs)
+    # capture decode graphs on CUDA (docs/engine/execution.md §Decode graphs)
+    cuda_graphs: bool = True
     session_ttl_s: float = 20 * 60
     session_budget_bytes: int | None = None
     session_budget_fraction: float = 0.8
@@ -191,7 +192,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 # Variables of the seed documents' containers, read where their meaning is plain:
-# name → (setting, factor to the setting's unit, the name's unit) (docs/design.md §Settings).
+# name → (setting, factor to the setting's unit, the name's unit) (docs/settings.md §Settings).
 SEED_NAMES: dict[str, tuple[str, float, str]] = {"SES_TTL_MIN": ("session_ttl_s", 60, "minutes")}
 
 

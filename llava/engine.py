@@ -83,7 +83,7 @@ class Engine:
         identity = model_identity(loaded.model, loaded.dtype)
         self.journal = open_journal(config.persist_dir, config.persist_max_bytes, identity)
         self.store = SessionStore(
-            self.memory, ttl_s=config.session_ttl_s, clock=clock, entries=self.journal
+            self.memory, ttl_s=config.session_ttl_s, clock=clock, journal=self.journal
         )
         self.context = RequestContext(
             store=self.store,
@@ -160,7 +160,7 @@ class Engine:
     def _adopt_persisted(self) -> int:
         """Sessions a previous worker of this model left in the persistent tier continue here:
         same ids, same expiry, history and features; their KV is recomputed on their next
-        turn (tier FEATURES). Returns how many (docs/design.md §Persistent tier)."""
+        turn (tier FEATURES). Returns how many (docs/engine/sessions.md §Persistent tier)."""
         now = time.time()
         loaded = self.journal.load(now)
         for session_id, reason in loaded.gone.items():

@@ -86,7 +86,7 @@ class Busy(NoCapacity):
 
 class TurnInterrupted(EngineError):
     """The worker serving a request died before answering it. Raised for the worker by what
-    fronts it (docker/front.py, the local endpoint), never by the engine: with the persistent
+    fronts it (serving/front.py, the local endpoint), never by the engine: with the persistent
     tier the session continues from its last answered turn once the restarted worker is up,
     so the call may be sent again after ``retry_after_s`` (HTTP 503 with Retry-After)."""
 
@@ -97,7 +97,7 @@ class TurnInterrupted(EngineError):
         self.retry_after_s = retry_after_s
 
 
-# The most of any input an error message repeats (docs/design.md §Echo cap).
+# The most of any input an error message repeats (docs/wire.md §Echo cap).
 ECHO_CHARS = 80
 
 

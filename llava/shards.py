@@ -5,7 +5,7 @@
 pool and memory manager. An open is placed on the shard with the most free device memory
 (ties: the fewest requests in flight); every later call of that session goes to its shard
 by id. A shard's failure fails only the requests it runs, as ``ShardFailed``
-(docs/design.md §Engine shards).
+(docs/engine/scheduling.md §Engine shards).
 """
 
 from __future__ import annotations

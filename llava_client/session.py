@@ -132,7 +132,7 @@ class LlavaClient:
 
     def _retrying_busy(self, call: Callable[[], T], with_session: bool) -> T:
         """``call()``; a refusal that says when to retry is retried (a stream's too: a busy
-        turn is refused before its first token, docs/design.md §Client retries on 503)."""
+        turn is refused before its first token, docs/client.md §Client retries on 503)."""
         attempt, interrupted = 0, 0
         while True:
             try:
@@ -140,7 +140,8 @@ class LlavaClient:
             except ClientError as err:
                 error = from_client_error(err, with_session)
                 # A turn its worker died under is sent again once: the session goes on from
-                # its last answered turn on the restarted worker (docs/design.md §Persistent tier).
+                # its last answered turn on the restarted worker (docs/engine/sessions.md
+                # §Persistent tier).
                 interrupted += error.code == TURN_INTERRUPTED
                 if error.retry_after_s is None or attempt == self.busy_retries or interrupted > 1:
                     raise error from err

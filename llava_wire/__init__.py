@@ -1,4 +1,4 @@
-"""The wire contract's names, written once (docs/design.md §Wire contract): the session headers,
+"""The wire contract's names, written once (docs/wire.md §Wire contract): the session headers,
 the request types and the error codes a caller can see.
 
 Standard library only and no imports at all: the handler (archived into the .mar beside it),

@@ -42,7 +42,7 @@ DEFAULT_PERSIST_DIR = "/dev/shm/stateful-llava"
 
 def instance_env(name: str, environ: dict[str, str]) -> dict[str, str]:
     """The settings one instance gets beside the shared ones: its own persistent-tier
-    directory under the shared one (docs/design.md §Persistent tier)."""
+    directory under the shared one (docs/engine/sessions.md §Persistent tier)."""
     base = environ.get("LLAVA_PERSIST_DIR", DEFAULT_PERSIST_DIR)
     if base == "null":
         return {}

@@ -5,7 +5,7 @@ counted (24 opens at the same moment spread over the instances instead of all la
 nothing was placed yet); later calls go where their session lives. An instance that stops
 answering, or whose worker dies, takes its sessions with it, as on SageMaker once an instance
 is replaced: the router remembers which ids were lost and with how many others (``Loss``), so
-they are told apart from ids that never existed (docs/design.md §The local endpoint). It gets no
+they are told apart from ids that never existed (docs/client.md §The local endpoint). It gets no
 new sessions until a ``/ping`` answers again. A supervised instance (``ready`` given: its
 supervisor's answer, serving/supervisor.py) is asked that instead of ``/ping``, which
 TorchServe answers while its worker reloads.

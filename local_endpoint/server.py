@@ -22,7 +22,7 @@ A container reply other than 200 becomes what SageMaker makes of it: 424 ``Model
 that is restarting keeps its sessions (the persistent tier brings them back): a call meanwhile
 gets the container front's 503 ``NOT_READY``, a call its dying worker held (TorchServe's 507,
 a dropped connection) a 503 ``TURN_INTERRUPTED``, and a stream cut short ends with that error
-line, as the container's front (docker/front.py) answers them (serving/interrupted.py).
+line, as the container's front (serving/front.py) answers them (serving/interrupted.py).
 Streamed replies are framed as ``PayloadPart`` events. Every reply names the instance in
 ``X-Local-Endpoint-Instance`` (SageMaker has no such header; tests use it to see stickiness).
 """

@@ -1,4 +1,4 @@
-"""Turn latency through the local endpoint vs straight to TorchServe (issue 15).
+"""Turn latency through the local endpoint vs straight to TorchServe.
 
 One TorchServe instance behind the local endpoint, one image, three sessions asked in turn
 (so machine load falls on all three alike):

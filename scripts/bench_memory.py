@@ -1,5 +1,5 @@
-"""Session memory across tiers (issue 24's benchmark): what a turn costs where the session's
-memory was, how many sessions each tier holds, and accounted bytes against real ones.
+"""Session memory across tiers: what a turn costs where the session's memory was,
+how many sessions each tier holds, and accounted bytes against real ones.
 
 1. Turn latency when the session's KV is on the device, copied back from the host, or
    recomputed from its image features, at histories of about 600, 2,000 and 8,000 tokens

@@ -1,5 +1,5 @@
-"""The persistent tier (issue 25's benchmark, docs/design.md §Persistent tier): what it costs
-and what it saves.
+"""The persistent tier (docs/engine/sessions.md §Persistent tier): what it costs and what it
+saves.
 
 1. Turn latency with the tier on (a directory under /dev/shm) and off, the demo model in
    process, turns of several sessions interleaved, on and off alternating.

@@ -1,4 +1,4 @@
-"""Per-turn latency of four ways to serve a multi-turn image chat (issue 2's benchmark).
+"""Per-turn latency of four ways to serve a multi-turn image chat.
 
 Modes, for the same conversation (the KV session's own prompts are replayed by the others,
 so every mode prefills exactly the same tokens and generates the same number):

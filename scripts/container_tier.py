@@ -21,7 +21,7 @@
     python -m scripts.container_tier [--flavour cpu|cuda] [--build-only] [--run-dir DIR]
                                      [pytest args ...]
 
-Each step prints its time; logs go to .run/container-tier/. docs/design.md §Container tier.
+Each step prints its time; logs go to .run/container-tier/. docs/container.md §Container tier.
 """
 
 from __future__ import annotations

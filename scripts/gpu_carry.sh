@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Fills .whl/ with the wheels `python3 -m scripts.gpu_check --steps tests` needs on a GPU machine
 # that lacks them: pytest and what it imports (about 1 MB, pure Python, for Python 3.12). The
-# lent H100/H200 image already had pytest 9.1.1 when it was last used (docs/design.md §GPU
-# check), so carrying is a fallback. Run here, where the package index is reachable; there,
-# name .whl in the call's carry and begin the command with
+# lent H100/H200 image already had pytest 9.1.1 when it was last used (docs/testing.md §GPU check),
+# so carrying is a fallback. Run here, where the package index is reachable; there, name .whl in the
+# call's carry and begin the command with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
 #     export PYTHONPATH=/tmp/site
 set -euo pipefail

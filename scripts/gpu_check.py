@@ -16,7 +16,7 @@ with the figures found up to where it ended; everything the steps print goes to 
 and ``DIR/gpu_check.log``. ``--device cpu`` runs every step's code on the CPU at a shrunk size
 (the demo model, the 7B shape scaled down, graphs replayed eagerly). Without CUDA and without
 ``--device cpu`` it says so in one line and exits 0. Steps, their budgets and what each
-measures: docs/design.md §GPU check.
+measures: docs/testing.md §GPU check.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 # Seconds each step may take (GPU, CPU): about twice what an H200 took
-# (docs/design.md §GPU check); together the GPU's fit a 10-minute call with the machine's start.
+# (docs/testing.md §GPU check); together the GPU's fit a 10-minute call with the machine's start.
 BUDGETS = {
     "preflight": (60, 60),
     "attention": (60, 60),

@@ -4,7 +4,7 @@ A step runs in its own process (scripts.gpu_check isolates them), on CUDA or, wi
 ``--device cpu``, on the CPU with the same code at a shrunk size (no graph capture there: the
 captured call is replayed eagerly), so only CUDA-specific failures are left for a GPU machine.
 Figures are written as they are found (``Figures``): a step cut off by its time budget still
-reports what it measured (docs/design.md §GPU check).
+reports what it measured (docs/testing.md §GPU check).
 """
 
 from __future__ import annotations

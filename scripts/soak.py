@@ -13,7 +13,7 @@ that resets mid-body, a caller hanging up mid-stream, several 7000x7000 PNGs ope
 and bad input at random moments (``BAD_INPUTS``). Against a real endpoint the images go inline
 and the faults that need the machine (kill, slow, reset, worker RSS) are left out.
 
-It prints one table and exits 1 if a rule breaks (docs/design.md §Soak): no 5xx outside a
+It prints one table and exits 1 if a rule breaks (docs/testing.md §Soak): no 5xx outside a
 killed worker's turns in flight (and those retryable: 503), every bad input a 4xx with a
 bounded message, wrong answers within the demo model's measured error, no session lost, worker
 RSS back within 25 % of its start once every session is closed, no descriptor or thread leak.

@@ -11,7 +11,7 @@ from botocore.exceptions import ClientError
 
 from llava_wire import NOT_READY, SESSION_LOST, TURN_INTERRUPTED
 
-# The contract's "send it again" 503s (README, errors): a worker restarting with its sessions
+# The contract's "send it again" 503s (docs/wire.md §Errors): a worker restarting with its sessions
 # (NOT_READY) or one that died under the call (TURN_INTERRUPTED). The soak sends such a call
 # again, as a client should, for at most RETRY_FOR_S; the 503 stays in the books.
 RETRYABLE = (NOT_READY, TURN_INTERRUPTED)

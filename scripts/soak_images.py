@@ -24,7 +24,8 @@ COLORS = {
     "orange": (255, 165, 0),
     "white": (255, 255, 255),
 }
-SHAPES = ("circle", "square", "triangle")  # the ones it knows best (README §The demo model)
+# the ones it knows best (docs/demo-model.md §What it knows)
+SHAPES = ("circle", "square", "triangle")
 
 
 # -- images ------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 SageMaker sends a container's stdout to CloudWatch Logs, and CloudWatch Logs turns each EMF line
 (a JSON object whose ``_aws`` member names the metrics in it) into metrics: so the worker's
 session metrics, which TorchServe exposes only on its loopback Prometheus endpoint, reach where
-SageMaker users look without an agent (docs/design.md §Metrics on stdout (EMF)).
+SageMaker users look without an agent (docs/container.md §Metrics on stdout (EMF)).
 
 The endpoint is read every ``poll_s``; lines are written when a value changed since the last
 lines, and at least every ``interval_s`` even when nothing did. One line per dimension set:

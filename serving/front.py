@@ -1,7 +1,7 @@
 """The container's front door on port 8080: a ``/ping`` that tells the truth, and a proxy.
 
 TorchServe 0.12's own ``/ping`` answers Healthy before the model is loaded and while its
-worker crash-loops (docs/design.md §TorchServe 0.12 facts), and SageMaker sends traffic on
+worker crash-loops (docs/serving.md §TorchServe 0.12 facts), and SageMaker sends traffic on
 the first 200. So TorchServe listens on internal loopback ports and this server owns the
 public port:
 

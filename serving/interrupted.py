@@ -1,7 +1,8 @@
-"""What a front says when the worker dies under a request (docs/design.md §Persistent tier).
+"""What a front says when the worker dies under a request (docs/engine/sessions.md §Persistent
+tier).
 
 TorchServe 0.12 answers a request whose worker died with its own 507 "Worker died.", or the
-connection drops; a streamed reply just stops. The container front (docker/front.py) and the
+connection drops; a streamed reply just stops. The container front (serving/front.py) and the
 local endpoint turn these into the wire contract's terms: a 503 ``TURN_INTERRUPTED`` with
 ``Retry-After`` before any byte went out, and a last ``{"error": ...}`` line in a stream that
 ended without its final reply. The session itself continues from its last answered turn on the
@@ -17,9 +18,10 @@ from handlers.errors import ErrorReply, error_response, retry_reply
 from llava.errors import TurnInterrupted
 from llava_wire import NOT_READY
 
-# TorchServe's status for "the worker died during this request" (README: TorchServe's answers).
+# TorchServe's status for "the worker died during this request" (docs/wire.md §Errors that are ours,
+# and TorchServe's own answers).
 WORKER_DIED_STATUS = 507
-# A whole-instance restart with the demo model takes 10-30 s here (docs/design.md
+# A whole-instance restart with the demo model takes 10-30 s here (docs/performance.md
 # §Supervisor numbers); a caller that waits this long usually finds it up, else NOT_READY's.
 RETRY_AFTER_S = 10.0
 # While the worker (re)starts: fronts refuse at once and say when to come back.

@@ -1,6 +1,6 @@
 """What the container front and the local endpoint both do with a streamed reply: pass it on as
 the chunks of a chunked reply, and when the caller hangs up, tell the worker, since TorchServe
-never does (docs/design.md §Cancellation (`CANCEL_TURN`)). Standard library only: the local
+never does (docs/serving.md §Cancellation (`CANCEL_TURN`)). Standard library only: the local
 endpoint imports it in the client's torch-free install."""
 
 from __future__ import annotations

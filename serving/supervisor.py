@@ -3,8 +3,8 @@
 Why the whole instance: in TorchServe 0.12 async mode a restarted worker never becomes READY on
 the management API, a request that reaches it while it reloads crash-loops it ("Received more
 than 1 control command"), and scaling the model 0 -> 1 races with the dead worker's own
-scheduled retry (docs/design.md §Worker restarts). The worker's sessions are in the persistent
-tier (docs/design.md §Persistent tier), which the fresh TorchServe's worker adopts; the
+scheduled retry (docs/serving.md §Worker restarts). The worker's sessions are in the persistent
+tier (docs/engine/sessions.md §Persistent tier), which the fresh TorchServe's worker adopts; the
 fresh instance carries no stale Java state.
 
 ``ready()`` is what fronts ask before forwarding anything: True only while the worker that

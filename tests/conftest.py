@@ -7,18 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from demo_model.synthetic import held_out_samples
-from llava.config import EngineConfig
-from llava.engine import Engine
-from llava.kv.memory import MemoryBudget
-
+# The engine (torch, transformers) is imported where a fixture needs it, not here: every
+# process that runs tests loads this file, the one that only hands tests out included.
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL_DIR = REPO / "models" / "demo-llava"
 # Every TorchServe, endpoint and container entrypoint a test starts inherits this: the served
 # archive's persistent tier (/dev/shm/stateful-llava) is off, so tests never share that
 # directory or adopt each other's sessions; the tier's own tests pass a temporary directory
-# (docs/design.md §Persistent tier).
+# (docs/engine/sessions.md §Persistent tier).
 os.environ["LLAVA_PERSIST_DIR"] = "null"
+# make test-fast runs the unit tier on every core (pytest-xdist): one torch thread a worker,
+# so the workers do not fight over the cores (the tiny models gain nothing from more).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +37,11 @@ def recognized_samples(demo_model, n: int, seed: int = 20_000):
     The model is ~99 % accurate (tests/unit/test_demo_model.py checks that); these tests are about
     what sessions do to answers, so they start from images it is known to get right alone.
     """
+    from demo_model.synthetic import held_out_samples
+    from llava.config import EngineConfig
+    from llava.engine import Engine
+    from llava.kv.memory import MemoryBudget
+
     engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
     found = []
     for candidate in held_out_samples(200, seed=seed):

@@ -1,4 +1,4 @@
-"""A faithful stand-in for the client class of the project's seed documents (issue 15 item 3).
+"""A faithful stand-in for the client class of the project's seed documents.
 
 It is what chatbot backends already run, so it must work unmodified (but for ``endpoint_url``):
 it picks its own session id, opens with ``SessionId="NEW_SESSION"`` and that id in

@@ -7,7 +7,7 @@ blocks entirely at or before its position are *full* (read without a mask), the 
 its position is *partial* (the mask function keeps the row's own slots up to its position).
 A row never reads another sequence's blocks, so prefill rows and decode rows of many sequences
 share one call, and a decode row costs what its own KV costs. The same code runs on CPU (where
-CI tests it) and on CUDA (docs/design.md §Paged attention).
+CI tests it) and on CUDA (docs/engine/execution.md §Paged attention).
 """
 
 from __future__ import annotations

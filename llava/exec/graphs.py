@@ -9,7 +9,7 @@ start-up from the smallest bucket up while the memory they take fits ``budget_by
 each took (allocator-reserved bytes) and the capture time are recorded. A bucket whose capture
 raises (the compile in its warm-up included) is left uncaptured, logged once and counted: its
 steps run eagerly, the worker serves on; running out of memory ends the captures, as before
-(docs/design.md §Decode graphs).
+(docs/engine/execution.md §Decode graphs).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from llava.sampling.sampler import SamplingRows
 logger = logging.getLogger(__name__)
 # The least memory decode graphs may take: on an H200 a demo model's 1 GiB pool (a twentieth:
 # 51 MiB) held no graph at all, and the 7B's seven buckets took 614 MiB
-# (docs/design.md §Decode graphs). It comes out of the device headroom, not out of the pool.
+# (docs/engine/execution.md §Decode graphs). It comes out of the device headroom, not out of the
+# pool.
 GRAPHS_BUDGET_FLOOR = 512 << 20
 
 

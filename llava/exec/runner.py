@@ -12,7 +12,7 @@ the step is run again, and the switch is logged once and counted; a forced ``fle
 error out (PagedAttentionFailed). The step's index tensors are built once (llava.exec.step_meta)
 and the next ids are chosen on the device (llava.sampling.sampler). The layers' own modules do the
 maths, so the weights, norms and rotary embedding are the checkpoint's
-(docs/design.md §Step runner).
+(docs/engine/execution.md §Step runner).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Runner:
         self.pool_slots = pool.kv.shape[3]
         # "flex": one flex_attention call for every decode row; "sdpa": one SDPA per sequence
         # over its slots in place. "auto" is the measured fastest: flex on CUDA (an H200: 0.98 ms a
-        # layer at 32 rows against the loop's 5.6), sdpa on CPU (docs/design.md §GPU check).
+        # layer at 32 rows against the loop's 5.6), sdpa on CPU (docs/testing.md §GPU check).
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
         self.attention_setting = attention

@@ -4,7 +4,8 @@ The host knows each sequence's block table, length and new ids; it writes them i
 staging tensor and copies that to a preallocated device buffer in one transfer (asynchronous
 from pinned memory on CUDA). Everything else (positions, write slots, the padded query layout,
 the attention block mask) is derived on the device from those views, so a step has no
-per-sequence host work past the table copy and no host sync (docs/design.md §Step metadata).
+per-sequence host work past the table copy and no host sync (docs/engine/execution.md §Step
+metadata).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def build_step_meta(
     """``lengths``: tokens each sequence already holds; ``counts``: its new ids (in ``ids``,
     packed in order); ``tables``: its pool blocks. One-token sequences share one paged
     attention call (their block mask), others are attended one by one; with ``per_sequence``
-    every sequence is (the CPU's faster path, docs/design.md §Measured: attention candidates)."""
+    every sequence is (the CPU's faster path, docs/performance.md §Attention candidates (CPU))."""
     sequences, total = len(counts), len(ids)
     width = max(len(t) for t in tables)
     flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]

@@ -50,7 +50,7 @@ def memory_budget(
     """The memory manager's budget from the settings and what this machine has; a setting
     that cannot fit fails the start with one line (SettingsError). ``host_bytes``: this
     engine's share of the host tier (default: all of ``host_budget``); ``sharing``: engines
-    on ``device``, which split its free memory evenly (docs/design.md §Engine shards)."""
+    on ``device``, which split its free memory evenly (docs/engine/scheduling.md §Engine shards)."""
     host = host_budget(config) if host_bytes is None else host_bytes
     if device.type != "cuda":
         device_bytes = config.session_budget_bytes or config.cpu_session_budget_bytes

@@ -1,6 +1,6 @@
 """MemoryManager: the one owner of every byte a session holds, on the device and on the host.
 
-A session's memory, hot to cold (docs/design.md §Memory policy):
+A session's memory, hot to cold (docs/engine/memory.md §Memory policy):
 - ``KV``: its KV in blocks of the device pool; a turn prefills only its new tokens.
 - ``HOST``: its KV copied to host memory (pinned on CUDA); the next turn copies it back and
   answers exactly as it would have on device.

@@ -3,7 +3,7 @@
 A session's KV is a block table into that tensor plus a length, so the bytes a session holds
 are exactly blocks * bytes_per_block, and the allocator's view never moves after start-up: a
 turn that needs more than the free blocks gets ``KVPoolFull`` (the caller demotes or refuses)
-instead of an out-of-memory error mid-forward (docs/design.md §KV pool).
+instead of an out-of-memory error mid-forward (docs/engine/memory.md §KV pool).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class KVPool:
     def new_kv(self) -> SessionKV:
         return SessionKV(self)
 
-    # -- whole blocks as data (the memory manager's API: docs/design.md §Memory policy) -----
+    # -- whole blocks as data (the memory manager's API: docs/engine/memory.md §Memory policy) -----
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for data other than a sequence's KV (image features), highest free
         first so the low runs stay whole for KV; raises KVPoolFull taking none."""

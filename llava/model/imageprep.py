@@ -5,7 +5,7 @@ sides (a shape near the edge of a 640x240 picture is cut away). LLaVA-1.5 traine
 ``image_aspect_ratio=pad``: the image is first centred on a square canvas of its longer side,
 filled with the processor's mean colour (which normalizes to zero). A checkpoint asks for that
 with ``"image_aspect_ratio": "pad"`` in its ``config.json``; without the key the processor's
-own behaviour is kept (llava-hf checkpoints). See docs/design.md §Pad to square.
+own behaviour is kept (llava-hf checkpoints). See docs/engine/prompt-fidelity.md §Pad to square.
 """
 
 from __future__ import annotations

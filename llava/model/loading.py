@@ -45,8 +45,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def shard_devices(setting: str) -> list[torch.device]:
-    """One device per engine shard (docs/design.md §Engine shards): ``auto`` → every visible
-    GPU, else the CPU alone; otherwise the listed devices ("cuda:0,cuda:1", "cpu,cpu"), each
+    """One device per engine shard (docs/engine/scheduling.md §Engine shards): ``auto`` → every
+    visible GPU, else the CPU alone; otherwise the listed devices ("cuda:0,cuda:1", "cpu,cpu"), each
     checked against this machine, so a bad one fails the start in one line (SettingsError)."""
     if setting == "auto":
         if torch.cuda.is_available():

@@ -4,7 +4,8 @@ A turn's prompt is exactly what Hugging Face's pipeline feeds the checkpoint:
 ``processor.apply_chat_template(conversation so far, add_generation_prompt=True)`` tokenized in
 one call, with ``<image>`` expanded to one id per image feature. The engine does not assemble
 prompts from separately tokenized segments (that gave ``▁What`` where the checkpoint sees
-``What``); it diffs these ids against what its KV cache holds (docs/design.md §Canonical prompt).
+``What``); it diffs these ids against what its KV cache holds (docs/engine/prompt-fidelity.md
+§Canonical prompt).
 
 Message text is text: special-token strings inside a question or an answer (``<image>``,
 ``</s>``) are encoded as ordinary characters (transformers' ``sanitize_control_tokens``), so only

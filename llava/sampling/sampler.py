@@ -6,7 +6,7 @@ from the renormalised softmax, the distribution ``torch.multinomial`` would draw
 noise comes from a counter-based hash of (the turn's seed, how many ids it has generated, the
 vocabulary index), not from a generator's state, so a row's draw is the same whatever else is
 in the batch, and a seeded turn repeats exactly; nothing reads back to the host until the ids
-are copied out (docs/design.md §Sampling on the device).
+are copied out (docs/engine/execution.md §Sampling on the device).
 """
 
 from __future__ import annotations

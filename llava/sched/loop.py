@@ -4,7 +4,7 @@ Callers (many handler threads) put requests in an inbox and wait on their future
 iteration the loop starts what the scheduler admits, ends requests that were cancelled or ran
 out of time, then runs one step over the scheduler's plan and hands each request its next
 id. A request that fails fails alone: its future gets the exception, the others go on
-(docs/design.md §Engine loop).
+(docs/engine/scheduling.md §Engine loop).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Pure bookkeeping (no model, no store), so the policy is testable alone:
 - A step feeds every decoding request its one id, and the prefilling requests (first come,
   first served) up to ``prefill_chunk_tokens`` ids between them, so a long prefill delays the
   decodes sharing its steps by a bounded amount ("mixed"). With ``mixed=False`` prefill
-  steps and decode steps alternate instead (docs/design.md §Mixed or alternating steps).
+  steps and decode steps alternate instead (docs/engine/scheduling.md §Mixed or alternating steps).
 - A request the memory manager cannot fit now (it moved every idle session it could) waits
   while other requests run, since their sessions turn idle (movable) when they end, and is
   refused Busy once nothing runs or its deadline has passed (``waits_for_memory``).

@@ -5,7 +5,7 @@ ids to the steps the scheduler plans, and ends by committing (``finish``) or by 
 (``fail``); either way its caller's future is resolved exactly once. A turn commits exactly
 as a turn alone did: canonical prompt, cache reuse by common prefix, no end token in the
 history, and a failure demotes its session but leaves its history
-(docs/design.md §Canonical prompt; docs/design.md §Engine loop).
+(docs/engine/prompt-fidelity.md §Canonical prompt; docs/engine/scheduling.md §Engine loop).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RequestContext:
     """What a request may use: no engine, so requests and the engine do not import each
-    other (docs/design.md §Memory policy)."""
+    other (docs/engine/memory.md §Memory policy)."""
 
     store: SessionStore
     memory: MemoryManager
@@ -51,7 +51,7 @@ class RequestContext:
 
     def persist(self, session: Session, features: torch.Tensor | None = None) -> None:
         """Write the session's committed state to the persistent tier before its reply goes
-        (docs/design.md §Persistent tier); the caller holds the session's turn."""
+        (docs/engine/sessions.md §Persistent tier); the caller holds the session's turn."""
         snapshot = Snapshot(
             session.session_id,
             session.token_ids,
@@ -297,8 +297,8 @@ class TurnRequest(_Request):
 
         Usually that is everything cached (the prompt only appends). It is less where the
         tokenizer merges across the old boundary, e.g. an answer whose text re-tokenizes
-        differently inside the next prompt (docs/design.md §Canonical prompt): the prompt is
-        the checkpoint's canonical tokenization, so the differing tail is prefilled again.
+        differently inside the next prompt (docs/engine/prompt-fidelity.md §Canonical prompt): the
+        prompt is the checkpoint's canonical tokenization, so the differing tail is prefilled again.
         """
         if holding.kv is None:
             return 0

@@ -1,4 +1,4 @@
-"""The persistent tier: sessions that outlive their worker process (docs/design.md
+"""The persistent tier: sessions that outlive their worker process (docs/engine/sessions.md
 §Persistent tier).
 
 A bounded directory (default under /dev/shm, which outlives the process but not the host)

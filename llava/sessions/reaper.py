@@ -2,7 +2,7 @@
 
 Without it, expiry happens only at the next store call: a server nobody calls keeps every
 expired session's KV cache, and gauges published per request stay stale forever
-(docs/design.md §Expiry without traffic (the reaper)).
+(docs/engine/sessions.md §Expiry without traffic (the reaper)).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A session: its conversation, its turn lock, and the memory it holds.
 
 The memory (KV on device or host, image features) belongs to llava.kv.memory's manager; the
-session only points at its ``Holding`` (docs/design.md §Memory policy).
+session only points at its ``Holding`` (docs/engine/memory.md §Memory policy).
 """
 
 from __future__ import annotations

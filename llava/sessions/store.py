@@ -1,7 +1,7 @@
 """SessionStore: the session store. Session id → Session, idle TTL, close, remembered ids,
 and the order of one session's turns. It holds no memory policy: the memory manager
 (llava.kv.memory) owns every byte; the store pins a session's holding for its turn, releases it
-when the session goes, and learns which sessions the manager evicted (docs/design.md
+when the session goes, and learns which sessions the manager evicted (docs/engine/memory.md
 §Memory policy).
 
 - A session idle for longer than ``ttl_s`` expires: it is removed at the next store call, or
@@ -54,7 +54,7 @@ class Holdings(Protocol):
     def check_integrity(self) -> set[str]: ...
 
 
-class Entries(Protocol):
+class Journal(Protocol):
     """What the store asks of the persistent tier (llava.sessions.persist): a session that goes
     loses its entry."""
 
@@ -83,10 +83,10 @@ class SessionStore:
         ttl_s: float = 20 * 60,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        entries: Entries | None = None,
+        journal: Journal | None = None,
     ):
         self.memory = memory
-        self.entries = NoJournal() if entries is None else entries
+        self.journal = NoJournal() if journal is None else journal
         self.ttl_s = ttl_s
         self._clock = clock
         self._wall_offset = lambda: wall_clock() - clock()
@@ -125,7 +125,7 @@ class SessionStore:
         for want of room): its entry goes with that reason (noted for a later restart too),
         and the id is answered with it, as for a session removed here."""
         with self._lock:
-            self.entries.remove(session_id, reason)
+            self.journal.remove(session_id, reason)
             self._remember(session_id, reason)
 
     def check_id_free(self, session_id: str) -> None:
@@ -264,7 +264,7 @@ class SessionStore:
     def _remove(self, session_id: str, reason: str) -> None:
         session = self._sessions.pop(session_id)
         self.memory.release(session.holding)  # a no-op for an evicted one
-        self.entries.remove(session_id, reason)
+        self.journal.remove(session_id, reason)
         self._remember(session_id, reason)
 
     def _remember(self, session_id: str, reason: str) -> None:

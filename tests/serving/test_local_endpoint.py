@@ -1,4 +1,4 @@
-"""boto3 against the local endpoint over two real TorchServe instances (issue 15's tests).
+"""boto3 against the local endpoint over two real TorchServe instances.
 
 The endpoint splits every streamed chunk into 7-byte PayloadParts, so every streaming test also
 shows that JSON lines survive arbitrary splits. The instance-killing test runs last: it takes

@@ -1,8 +1,8 @@
-"""The seeds' client runs unmodified against the local endpoint (issue 15 item 3), even with
+"""The seeds' client runs unmodified against the local endpoint even with
 no ``endpoint_url`` at all (boto3's ``AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME``), and our client
 opens sessions under ids its caller chooses.
 
-Both need the container to adopt a client-chosen id (``extSessionID`` on open, issue 12).
+Both need the container to adopt a client-chosen id (``extSessionID`` on open).
 """
 
 from __future__ import annotations

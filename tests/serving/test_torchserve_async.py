@@ -1,6 +1,6 @@
 """The worker in TorchServe 0.12's async mode, through a real TorchServe: many requests in
 flight at once, and one test per measured async-mode bug that fails without its workaround
-(docs/design.md §The 0.12 async-mode bugs and their workarounds).
+(docs/serving.md §The 0.12 async-mode bugs and their workarounds).
 
 The instance here serves the demo model with ``responseTimeout: 1``, so any request slower than
 a second would restart a worker that enforced it.

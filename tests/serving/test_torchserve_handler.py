@@ -396,7 +396,7 @@ def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images, ca
     assert short_ttl_server.worker_pid() == new  # served, no crash loop
 
 
-# -- sessions and protocol (issue 12) ---------------------------------------------------------
+# -- sessions and protocol -------------------------------------------------------------------
 
 
 def test_the_seeds_client_opens_with_its_own_id_and_uses_it(server, images):
@@ -505,8 +505,9 @@ def test_whatever_reaches_the_handler_is_answered_in_json(server, kwargs):
 
 
 def test_a_body_over_the_frontends_limit_is_refused_by_torchserve_itself(server):
-    """Documented in the README: TorchServe's frontend answers this one, with an empty body,
-    before the handler sees it (max_request_size, 32 MiB in config.properties)."""
+    """Documented in docs/wire.md §Errors that are ours, and TorchServe's own answers: TorchServe's
+    frontend answers this one, with an empty body, before the handler sees it (max_request_size, 32
+    MiB in config.properties)."""
     reply = requests.post(
         server.inference_url + "/invocations", data=b" " * (32 * 1024 * 1024 + 1), timeout=60
     )

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.torchserve
 # A class with an async handle, as model-config.yaml's async mode needs (handlers/llava_handler.py).
 # Its load takes a moment, as a real one does: a LOAD reply that reaches 0.12's async frontend
 # before the latch it counts down exists kills the worker (NullPointerException on `latch`,
-# seen once in CI with an instant load; docs/design.md §Failed loads in async mode).
+# seen once in CI with an instant load; docs/serving.md §Failed loads in async mode).
 PROBE_HANDLER = """
 import json, os, time
 import llava.errors

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from capacity.__main__ import main as capacity_cli
 from capacity.instances import INSTANCES
 from capacity.sizing import (
     Workload,
@@ -51,7 +50,8 @@ def test_llava_15_7b_from_its_config_alone():
     room = fit(checkpoint, per, g5.gpu_memory_bytes, g5.host_memory_bytes // 2, EngineConfig("-"))
     # the engine's default: 80 % of what the weights leave of the A10G's 24 GiB
     assert abs(room.device_budget - 0.8 * (24 * 2**30 - checkpoint.weight_bytes)) <= 1
-    assert room.device_kv == 14  # 600 MiB a hot session (README, Sizing)
+    # 600 MiB a hot session (docs/deploy.md §Sizing: sessions per instance)
+    assert room.device_kv == 14
     assert room.features_only > 50 * room.device_kv  # demotion is what lets many sessions stay
 
 
@@ -72,56 +72,29 @@ def test_a_multi_gpu_instance_holds_one_shards_sessions_per_gpu():
     assert instance.host_kv == 4 * one_gpu.host_kv == 4 * ((48 * 2**30 // 4) // per.kv) == 80
 
 
-def test_the_cli_prints_the_table_for_one_instance():
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "capacity",
-            "--model-dir",
-            str(LLAVA_15),
-            "--instance",
-            "ml.g6e.xlarge",
-            "--turns",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
+def test_the_cli_prints_the_table_for_one_instance(capsys):
+    assert (
+        capacity_cli(["--model-dir", str(LLAVA_15), "--instance", "ml.g6e.xlarge", "--turns", "4"])
+        == 0
     )
-    assert done.returncode == 0, done.stderr
-    assert "the engine runs it" in done.stdout and "512 KiB per token" in done.stdout
-    rows = [line for line in done.stdout.splitlines() if line.startswith("ml.")]
+    printed = capsys.readouterr().out
+    assert "the engine runs it" in printed and "512 KiB per token" in printed
+    rows = [line for line in printed.splitlines() if line.startswith("ml.")]
     assert [row.split()[0] for row in rows] == ["ml.g6e.xlarge"]
-    assert "NVIDIA L40S datasheet" in done.stdout  # every figure says where it came from
+    assert "NVIDIA L40S datasheet" in printed  # every figure says where it came from
 
 
-def test_a_checkpoint_the_runner_cannot_run_is_reported_with_the_engines_message(tmp_path):
+def test_a_checkpoint_the_runner_cannot_run_is_reported_with_the_engines_message(tmp_path, capsys):
     model_dir = tmp_path / "sliding"
     shutil.copytree(LLAVA_15, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config["text_config"].update(model_type="mistral", sliding_window=4096, num_hidden_layers=1)
     (model_dir / "config.json").write_text(json.dumps(config))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "capacity",
-            "--model-dir",
-            str(model_dir),
-            "--gpu-memory",
-            "24GiB",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
-    assert done.returncode == 1
+    assert capacity_cli(["--model-dir", str(model_dir), "--gpu-memory", "24GiB"]) == 1
+    printed = capsys.readouterr().out
     assert (
         "REFUSED at start: ValueError: the step runner cannot run this model: "
-        "text model type 'mistral'" in done.stdout
+        "text model type 'mistral'" in printed
     )
 
 

@@ -148,6 +148,7 @@ def collect_into(chunks: list[str]):
     return lambda text, _token_id: chunks.append(text)
 
 
+@pytest.mark.thorough
 def test_fifty_hot_sampled_turns_never_break_the_session(engine, image):
     session_id = engine.open(image).session_id
     banned = set(engine.context.banned_ids)

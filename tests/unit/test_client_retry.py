@@ -4,13 +4,12 @@ again after the wait, a bounded number of times, or not at all when told not to.
 
 The container is a stand-in on loopback that answers from a script: a real one refuses a turn
 only while other turns hold the KV pool, which no test can time
-(docs/design.md §Client retries on 503).
+(docs/client.md §Client retries on 503).
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -21,6 +20,7 @@ from llava_client import LlavaClient, LlavaError
 from local_endpoint.router import Backend, Router
 from local_endpoint.server import EndpointServer
 from serving.torchserve import free_ports
+from tests import loopback
 from tests.endpoint_helpers import DUMMY_CREDENTIALS, ENDPOINT
 
 BUSY = (
@@ -65,7 +65,7 @@ class ScriptedContainer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        loopback.start(self.httpd)
 
 
 @pytest.fixture
@@ -73,11 +73,11 @@ def container():
     container = ScriptedContainer()
     router = Router([Backend("instance-0", container.url, ready=lambda: True)])
     endpoint = EndpointServer(("127.0.0.1", 0), ENDPOINT, router)
-    threading.Thread(target=endpoint.serve_forever, daemon=True).start()
+    loopback.start(endpoint)
     container.endpoint_url = f"http://127.0.0.1:{endpoint.server_address[1]}"
     yield container
-    endpoint.shutdown()
-    container.httpd.shutdown()
+    loopback.stop(endpoint)
+    loopback.stop(container.httpd)
 
 
 def client_for(container, **options) -> LlavaClient:
@@ -127,7 +127,7 @@ def test_an_open_that_meets_a_restarting_instance_leaves_its_sessions_alone():
     """An open placed on an instance whose worker just died (nothing listens yet, its
     supervisor not told) goes on to the other instance, and the dead one's sessions are not
     marked lost: it is supervised with the persistent tier (coming back), so they continue
-    once it is READY (the soak lost them here before: docs/design.md §The local endpoint)."""
+    once it is READY (the soak lost them here before: docs/client.md §The local endpoint)."""
     live = ScriptedContainer()
     live.script = [OPENED]
     restarting = Backend(
@@ -142,7 +142,7 @@ def test_an_open_that_meets_a_restarting_instance_leaves_its_sessions_alone():
     for session_id in ("a", "b"):  # the other instance is busier: the open tries instance-0
         router.bind(session_id, other)
     endpoint = EndpointServer(("127.0.0.1", 0), ENDPOINT, router)
-    threading.Thread(target=endpoint.serve_forever, daemon=True).start()
+    loopback.start(endpoint)
     try:
         url = f"http://127.0.0.1:{endpoint.server_address[1]}"
         rt = boto3.client("sagemaker-runtime", endpoint_url=url, **DUMMY_CREDENTIALS)
@@ -155,5 +155,5 @@ def test_an_open_that_meets_a_restarting_instance_leaves_its_sessions_alone():
         assert reply["ResponseMetadata"]["HTTPHeaders"]["x-local-endpoint-instance"] == "instance-1"
         assert router.for_session("held") is restarting and router.lost("held") is None
     finally:
-        endpoint.shutdown()
-        live.httpd.shutdown()
+        loopback.stop(endpoint)
+        loopback.stop(live.httpd)

@@ -17,6 +17,7 @@ import requests
 
 from serving.front import Front
 from serving.torchserve import free_ports
+from tests import loopback
 
 WAIT_S = 20
 
@@ -90,17 +91,10 @@ class _UpstreamHandler(BaseHTTPRequestHandler):
         pass
 
 
-def serving(server: ThreadingHTTPServer) -> ThreadingHTTPServer:
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 @pytest.fixture
 def upstream():
-    server = serving(Upstream())
-    yield server
-    server.shutdown()
-    server.server_close()
+    with loopback.serving(Upstream()) as server:
+        yield server
 
 
 @pytest.fixture
@@ -110,12 +104,9 @@ def readiness():
 
 @pytest.fixture
 def front(upstream, readiness):
-    server = serving(
-        Front(("127.0.0.1", 0), upstream.server_address, ready=lambda: readiness["ready"])
-    )
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    front = Front(("127.0.0.1", 0), upstream.server_address, ready=lambda: readiness["ready"])
+    with loopback.serving(front) as server:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def test_ping_follows_readiness(front, readiness):
@@ -175,16 +166,13 @@ def test_streamed_reply_leaves_chunk_by_chunk(front, upstream):
 
 def test_upstream_down_is_a_json_503(readiness):
     (closed_port,) = free_ports(1)  # nothing listens there
-    server = serving(Front(("127.0.0.1", 0), ("127.0.0.1", closed_port), ready=lambda: True))
-    try:
+    front = Front(("127.0.0.1", 0), ("127.0.0.1", closed_port), ready=lambda: True)
+    with loopback.serving(front) as server:
         conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=WAIT_S)
         conn.request("POST", "/invocations", body=b"{}")
         reply = conn.getresponse()
         assert reply.status == 503
         assert json.loads(reply.read())["error"]["code"] == "NOT_READY"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_expect_continue_is_answered_by_the_front(front):

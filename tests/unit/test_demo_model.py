@@ -81,11 +81,13 @@ def assert_accurate(accuracy: dict[str, float]) -> None:
     assert not below, f"accuracy below {MIN_ACCURACY:.0%}: {below} (all: {accuracy})"
 
 
+@pytest.mark.thorough
 def test_held_out_accuracy_per_question_kind(demo_model):
     """Every family: muted, white/near-white, dark, textured backgrounds and wide canvases."""
     assert_accurate(evaluate(demo_model, held_out_samples(HELD_OUT_IMAGES, families=FAMILIES)))
 
 
+@pytest.mark.thorough
 def test_accuracy_on_plain_shapes_drawn_by_other_code(demo_model):
     samples = [ShapeSample(image, shape, color) for image, shape, color in plain_images()]
     assert_accurate(evaluate(demo_model, samples))

@@ -3,7 +3,7 @@
 The control plane is mocked only because no AWS account exists here: boto3 and sagemaker-core
 make their real requests (AWS_ENDPOINT_URL_SAGEMAKER points them at moto). What moto cannot
 show — an image pulled, model data copied, /ping polled, an endpoint InService for real — is
-in the README's table of what only a real AWS account verifies.
+in the table of docs/deploy.md §What only AWS can verify.
 """
 
 from __future__ import annotations
@@ -35,14 +35,22 @@ def _omit_empty(describe):
     return patched
 
 
-@pytest.fixture
-def sagemaker(monkeypatch):
-    for name in ("describe_model", "describe_endpoint_config", "describe_endpoint"):
-        monkeypatch.setattr(SageMakerResponse, name, _omit_empty(getattr(SageMakerResponse, name)))
+@pytest.fixture(scope="module")
+def moto_port():
+    """One moto server for the module (stopping one takes half a second); each test resets it."""
     (port,) = free_ports(1)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # its access log outlives capture
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    yield port
+    server.stop()
+
+
+@pytest.fixture
+def sagemaker(monkeypatch, moto_port):
+    for name in ("describe_model", "describe_endpoint_config", "describe_endpoint"):
+        monkeypatch.setattr(SageMakerResponse, name, _omit_empty(getattr(SageMakerResponse, name)))
+    port = moto_port
     requests.post(f"http://127.0.0.1:{port}/moto-api/reset", timeout=10).raise_for_status()
     for key, value in {
         "AWS_ENDPOINT_URL_SAGEMAKER": f"http://127.0.0.1:{port}",
@@ -54,8 +62,7 @@ def sagemaker(monkeypatch):
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     import boto3
 
-    yield boto3.client("sagemaker", region_name="eu-west-1")
-    server.stop()
+    return boto3.client("sagemaker", region_name="eu-west-1")
 
 
 def deploy(*args: str) -> int:

@@ -248,6 +248,7 @@ def test_attention_and_graph_settings_answer_as_the_default(
     assert answers_of(engine, image) == default_answers
 
 
+@pytest.mark.thorough  # compiles flex attention for a whole engine: seconds on a CPU
 def test_forced_flex_answers_as_the_default(demo_model, image, default_answers):
     engine = Engine(demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET)
     engine.warm_up()

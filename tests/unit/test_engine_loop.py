@@ -1,5 +1,5 @@
 """The engine loop on the demo model: batched turns equal turns alone, per-session order,
-deadlines, cancellation, one failing turn failing alone (docs/design.md §Engine loop)."""
+deadlines, cancellation, one failing turn failing alone (docs/engine/scheduling.md §Engine loop)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Session memory under the engine's policy (demo model): accounted bytes are the pool's
 blocks (KV and features), sessions come and go with no growth, pressure moves idle sessions
 down (device KV → host KV → features only → gone) before it refuses, and a turn restored
-from the host answers exactly as one never moved (docs/design.md §Memory policy)."""
+from the host answers exactly as one never moved (docs/engine/memory.md §Memory policy)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def test_accounted_bytes_are_the_blocks_the_pool_handed_out(demo_model):
     engine.check_integrity()
 
 
+@pytest.mark.thorough
 def test_a_thousand_short_sessions_from_many_threads_leave_nothing_behind(demo_model):
     engine = engine_with_blocks(demo_model, blocks=64)  # ~8 sessions' worth, 8 at a time
     images = [s.image for s in held_out_samples(4, seed=71_000)]

@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from scripts.gpu_check import DEFAULT_STEPS
+
+pytestmark = pytest.mark.thorough  # each step is a child process that imports torch
 
 REPO = Path(__file__).resolve().parents[2]
 LINE_KEYS = {"step", "ok", "seconds", "device", "torch", "error", "figures"}

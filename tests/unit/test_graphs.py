@@ -90,6 +90,7 @@ def test_a_decode_padded_to_its_bucket_answers_as_the_packed_step(decoding):
         kv.crop(kv.length - 1)
 
 
+@pytest.mark.thorough  # a whole-step torch.compile: seconds on a CPU
 def test_the_decode_step_compiles_as_one_graph(decoding):
     """fullgraph=True raises at the first graph break; the compiled step (AOT-traced, run by
     the eager backend) gives the eager step's ids."""

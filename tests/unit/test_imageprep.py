@@ -18,7 +18,7 @@ def wide_orange_circle() -> Image.Image:
     """640x240, light grey, an orange circle near the right edge: centre-cropped away.
 
     Its radius (100 px) is 0.16 of the longer side: padded to a square, that side is the
-    model's, and the demo model knows shapes from 0.15 of it (README, "The demo model").
+    model's, and the demo model knows shapes from 0.15 of it (docs/demo-model.md §What it knows).
     """
     image = Image.new("RGB", (640, 240), (235, 235, 235))
     ImageDraw.Draw(image).ellipse((436, 20, 636, 220), fill=(255, 140, 0))

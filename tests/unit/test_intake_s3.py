@@ -110,6 +110,7 @@ def test_unreachable_endpoint_is_a_fetch_failure(s3):
         load_image({"s3": f"s3://{BUCKET}/cat.png"}, policy)
 
 
+@pytest.mark.thorough
 def test_the_engine_imports_and_serves_without_boto3():
     """The GPU machine and an engine-only install have no boto3: the engine, its settings and
     intake import without it; only an s3:// image needs it, and then says so."""

@@ -48,6 +48,7 @@ def test_image_is_the_production_build_and_the_container_tier_runs_after_test():
     assert ci.index("make test-container") > ci.index("make test")
 
 
+@pytest.mark.thorough
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: gpu-check runs")
 def test_gpu_check_without_cuda_says_so_in_one_line_and_succeeds():
     done = subprocess.run(

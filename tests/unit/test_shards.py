@@ -1,6 +1,6 @@
 """Engine shards on the CPU: two shards ("cpu,cpu"), each its own demo model copy, loop
 thread, KV pool and memory manager: the same code path as two GPUs
-(docs/design.md §Engine shards)."""
+(docs/engine/scheduling.md §Engine shards)."""
 
 from __future__ import annotations
 

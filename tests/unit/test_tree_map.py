@@ -1,5 +1,6 @@
-"""docs/design.md's map of the tree is the tree: each place's imports of this repository's
-packages, read from the code, are exactly the ones the map names, and every place is named."""
+"""docs/architecture.md's map of the tree is the tree: each place's imports of this repository's
+packages, read from the code, are exactly the ones the map names, and every place is named; its
+module table names every module there is, and nothing that is not."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import re
 
 from tests.conftest import REPO
 
-DESIGN = REPO / "docs" / "design.md"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 ROW = re.compile(r"^\| `(\w+)/` \| [^|]+ \| ([^|]+) \|$", re.MULTILINE)
 NOT_MAPPED = {"tests", "notebooks", "models", "model-store", "build"}
 
 
 def mapped() -> dict[str, set[str]]:
-    section = DESIGN.read_text().split("## Map of the tree", 1)[1].split("\n## ", 1)[0]
+    section = ARCHITECTURE.read_text().split("## Map of the tree", 1)[1].split("\n## ", 1)[0]
     return {place: set(re.findall(r"`(\w+)`", imports)) for place, imports in ROW.findall(section)}
 
 
@@ -50,3 +51,19 @@ def test_the_map_names_exactly_the_imports_of_each_place():
     ours = set(table) | {"tests"}
     actual = {place: imported(place, ours) for place in table}
     assert actual == table
+
+
+def test_every_module_is_in_the_module_table_and_every_row_exists():
+    section = ARCHITECTURE.read_text().split("## Every module", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([\w/]+\.py)`", section))
+    modules = {
+        str(path.relative_to(REPO))
+        for place in mapped()
+        if place != "scripts"
+        for path in (REPO / place).rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    scripts = {path.name for path in (REPO / "scripts").glob("*.py") if path.name != "__init__.py"}
+    assert modules - named == set()
+    assert {name for name in named if "/" in name and not (REPO / name).is_file()} == set()
+    assert {name for name in scripts if f"`{name}`" not in section} == set()

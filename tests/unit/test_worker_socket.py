@@ -3,7 +3,7 @@
 Through TorchServe the demo model's frames are small (a token chunk is ~60 bytes, a final reply
 ~1 KB) and the race stays invisible; here four writers send 1.5 MB frames, the size at which
 0.12's unlocked writes were measured to corrupt
-(docs/design.md §The 0.12 async-mode bugs and their workarounds).
+(docs/serving.md §The 0.12 async-mode bugs and their workarounds).
 """
 
 from __future__ import annotations
