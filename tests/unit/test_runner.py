@@ -179,7 +179,10 @@ def fragment(pool: KVPool) -> None:
     assert b"\x01\x01" not in pool._free_map  # no two free blocks are adjacent
 
 
-ATTENTION = pytest.mark.parametrize("attention", ["flex", "sdpa"])
+# flex compiles for seconds on a CPU: the fast loop checks it in test_attention.py alone.
+ATTENTION = pytest.mark.parametrize(
+    "attention", [pytest.param("flex", marks=pytest.mark.thorough), "sdpa"]
+)
 
 
 @ATTENTION
