@@ -67,3 +67,36 @@ def test_every_module_is_in_the_module_table_and_every_row_exists():
     assert modules - named == set()
     assert {name for name in named if "/" in name and not (REPO / name).is_file()} == set()
     assert {name for name in scripts if f"`{name}`" not in section} == set()
+
+
+# The engine's rooms, top to bottom (llava/__init__.py): a room imports only rooms below it.
+ENGINE_LAYERS = (
+    ("shards",),
+    ("engine",),
+    ("sched",),
+    ("sessions", "exec", "model"),
+    ("kv", "sampling"),
+    ("config",),
+    ("intake",),
+    ("errors", "counters"),
+)
+
+
+def test_the_engines_imports_run_one_way():
+    below: dict[str, set[str]] = {}
+    for depth, layer in enumerate(ENGINE_LAYERS):
+        lower = {room for deeper in ENGINE_LAYERS[depth + 1 :] for room in deeper}
+        below |= {room: lower for room in layer}
+    upward = []
+    for path in (REPO / "llava").rglob("*.py"):
+        relative = path.relative_to(REPO / "llava")
+        room = relative.parts[0].removesuffix(".py")
+        if room == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                top, _, rest = node.module.partition(".")
+                target = rest.split(".")[0]
+                if top == "llava" and target not in ("", room) and target not in below[room]:
+                    upward.append(f"llava/{relative} imports {node.module}")
+    assert upward == []
