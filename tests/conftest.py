@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -22,6 +23,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    # The interpreter's last garbage collection walks every object the tests left: seconds
+    # per process (botocore's and moto's models, engines, tensors), for memory the ending
+    # process hands back anyway. Frozen objects are left out of that walk.
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
