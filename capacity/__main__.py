@@ -1,7 +1,7 @@
-"""python -m capacity --model-dir DIR [--instance ml.g5.2xlarge | --gpu-memory 24GiB]
-                     [--turns 10] [--tokens-per-turn 60] [--dtype float16]
+"""How many sessions an instance holds, per memory tier (capacity.sizing does the arithmetic).
 
-How many sessions an instance holds, per memory tier (capacity.sizing does the arithmetic).
+python -m capacity --model-dir DIR [--instance ml.g5.2xlarge | --gpu-memory 24GiB]
+                   [--turns 10] [--tokens-per-turn 60] [--dtype float16]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from llava.kv.budget import DEFAULT_HOST_FRACTION
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m capacity", description=__doc__.splitlines()[3])
+    parser = argparse.ArgumentParser(prog="python -m capacity", description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True, help="a llava-hf checkpoint directory")
     where = parser.add_mutually_exclusive_group()
     where.add_argument(

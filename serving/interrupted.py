@@ -1,5 +1,5 @@
-"""What a front says when the worker dies under a request (docs/engine/sessions.md §Persistent
-tier).
+"""What a front says when the worker dies under a request
+(docs/engine/sessions.md §Persistent tier).
 
 TorchServe 0.12 answers a request whose worker died with its own 507 "Worker died.", or the
 connection drops; a streamed reply just stops. The container front (serving/front.py) and the

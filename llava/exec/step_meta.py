@@ -4,8 +4,8 @@ The host knows each sequence's block table, length and new ids; it writes them i
 staging tensor and copies that to a preallocated device buffer in one transfer (asynchronous
 from pinned memory on CUDA). Everything else (positions, write slots, the padded query layout,
 the attention block mask) is derived on the device from those views, so a step has no
-per-sequence host work past the table copy and no host sync (docs/engine/execution.md §Step
-metadata).
+per-sequence host work past the table copy and no host sync
+(docs/engine/execution.md §Step metadata).
 """
 
 from __future__ import annotations

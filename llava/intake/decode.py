@@ -1,7 +1,7 @@
 """Bytes → an RGB ``PIL.Image``: format by content, the project's pixel limit checked before
 anything is decoded (Pillow's own decompression-bomb check included), decoded no larger than
-the model needs, with the memory of concurrent decodes bounded (docs/engine/memory.md §Image
-memory).
+the model needs, with the memory of concurrent decodes bounded
+(docs/engine/memory.md §Image memory).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Sessions outlive their worker, through a real TorchServe (docs/engine/sessions.md §Persistent
-tier).
+"""Sessions outlive their worker, through a real TorchServe
+(docs/engine/sessions.md §Persistent tier).
 
 The container's arrangement, in-process: a TorchServe instance whose worker has a persistent
 tier in a temporary directory, supervised (serving/supervisor.py restarts the instance when
