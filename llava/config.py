@@ -72,6 +72,12 @@ class EngineConfig:
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
     max_question_chars: int = 8000
+    # Every session's system prompt unless its open sends its own "system" (docs/wire.md).
+    system_prompt: str = ""
+    max_system_chars: int = 8000
+    # Sessions reuse the KV blocks and image features other sessions computed for the same
+    # prompt prefix and image (docs/engine/memory.md §Shared prefixes).
+    share_prefixes: bool = True
     # Every turn ends by then (stop_reason "deadline"): below SageMaker's 60 s invocation limit.
     turn_deadline_s: float = 50.0
     intake: dict[str, Any] = field(default_factory=dict)  # llava.intake.IntakePolicy keys
@@ -82,6 +88,12 @@ class EngineConfig:
             value = getattr(self, f.name)
             if not check(value):
                 raise SettingsError(f.name, f"{value!r} is not {must_be}")
+        if len(self.system_prompt) > self.max_system_chars:
+            raise SettingsError(
+                "system_prompt",
+                f"{len(self.system_prompt)} characters, over max_system_chars "
+                f"({self.max_system_chars})",
+            )
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise SettingsError(
                 "default_max_new_tokens",
@@ -161,6 +173,9 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "default_max_new_tokens": (_positive_int, "an integer > 0"),
     "max_new_tokens_limit": (_positive_int, "an integer > 0"),
     "max_question_chars": (_positive_int, "an integer > 0"),
+    "system_prompt": (lambda v: isinstance(v, str), "a string (empty: no system prompt)"),
+    "max_system_chars": (_positive_int, "an integer > 0"),
+    "share_prefixes": (lambda v: isinstance(v, bool), "true or false"),
     "turn_deadline_s": (
         lambda v: _number(v) and 0 < v < 60,
         "a number of seconds > 0 and < 60 (SageMaker's invocation limit)",

@@ -9,6 +9,8 @@ It raises only ``llava.errors`` types, so a transport can map every failure to a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 import weakref
@@ -23,7 +25,7 @@ from llava.errors import InvalidRequest
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 from llava.kv.budget import memory_budget
 from llava.kv.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
-from llava.model.imageprep import prepare_image
+from llava.model.imageprep import content_key, prepare_image
 from llava.model.loading import LoadedModel, load_model
 from llava.sampling.logits_mask import banned_token_ids
 from llava.sampling.params import GenerationParams
@@ -37,6 +39,14 @@ from llava.sessions.store import EVICTED, EXPIRED, SessionStore, StoreCounters
 
 __all__ = ["Answer", "Engine", "EngineStats", "Opened"]
 logger = logging.getLogger(__name__)
+
+
+def feature_salt(model_identity: str, loaded: LoadedModel) -> bytes:
+    """Everything besides the pixels that an image's features depend on: the model, the
+    processor's settings and the checkpoint's aspect-ratio mode."""
+    processor = loaded.processor.image_processor.to_json_string()
+    text = json.dumps([model_identity, processor, loaded.image_aspect_ratio], sort_keys=True)
+    return hashlib.sha256(text.encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,14 @@ class Engine:
             image_token_id=loaded.model.config.image_token_id,
             max_positions=loaded.max_positions,
             journal=self.journal,
+            share_prefixes=config.share_prefixes,
         )
+        # what changes an image's features besides its pixels: the model and preprocessing
+        self._features_salt = feature_salt(identity, loaded)
+        self.renders_system = loaded.prompt.renders_system()
+        if config.system_prompt and not self.renders_system:
+            problem = "this checkpoint's chat template has no system role"
+            raise SettingsError("system_prompt", problem)
         self.adopted = self._adopt_persisted()
         vocab = loaded.model.config.text_config.vocab_size
         sampler = Sampler(vocab, self.context.banned_ids, loaded.eos_token_ids, loaded.device)
@@ -170,7 +187,8 @@ class Engine:
         adopted = 0
         for entry in loaded.live:
             snapshot = entry.snapshot
-            holding = self.memory.hold_features(entry.features)
+            key = snapshot.image_key
+            holding = self.memory.hold_features(entry.features, key and bytes.fromhex(key))
             if holding is None:
                 self.store.refuse_entry(snapshot.session_id, EVICTED)
                 logger.warning(
@@ -187,17 +205,35 @@ class Engine:
         return adopted
 
     # -- the three operations --------------------------------------------------------------
-    def open(self, image: Image.Image | None = None, session_id: str | None = None) -> Opened:
-        """Run the vision tower once and prefill the opening; the session starts hot.
+    def open(
+        self,
+        image: Image.Image | None = None,
+        session_id: str | None = None,
+        system: str | None = None,
+    ) -> Opened:
+        """Run the vision tower once and prefill the opening; the session starts hot. What
+        another session already computed for the same image and prompt prefix is reused
+        instead (``share_prefixes``; ``Opened.cached_tokens`` says how much).
 
         ``session_id``: the caller's own id for the session (checked before any model work);
-        by default the server picks an unguessable one.
+        by default the server picks an unguessable one. ``system``: the session's system
+        prompt (None: the ``system_prompt`` setting; "": none).
         """
+        system = self._check_system(system)
         if session_id is not None:
             self.store.check_id_free(session_id)
-        pixels = None if image is None else self._pixels(image)
-        deadline_s = self.config.turn_deadline_s
-        return self.loop.submit(OpenRequest(self.context, deadline_s, pixels, session_id))
+        pixels = key = None
+        if image is not None:
+            pixels = self._pixels(image)
+            key = self.image_key(image) if self.config.share_prefixes else None
+        request = OpenRequest(
+            self.context, self.config.turn_deadline_s, pixels, session_id, key, system
+        )
+        return self.loop.submit(request)
+
+    def image_key(self, image: Image.Image) -> bytes:
+        """The image's content key: equal keys mean equal features (llava.model.imageprep)."""
+        return content_key(image, self._features_salt)
 
     def ask(
         self,
@@ -275,6 +311,22 @@ class Engine:
         if isinstance(pooled, list | tuple):
             pooled = torch.cat(list(pooled), dim=0)
         return pooled.reshape(-1, pooled.shape[-1])
+
+    def _check_system(self, system) -> str:
+        if system is None:
+            return self.config.system_prompt
+        if not isinstance(system, str):
+            raise InvalidRequest("'system' must be a string: the session's system prompt")
+        if len(system) > self.config.max_system_chars:
+            raise InvalidRequest(
+                f"the system prompt has {len(system)} characters; the limit is "
+                f"{self.config.max_system_chars}"
+            )
+        if system and not self.renders_system:
+            raise InvalidRequest(
+                "this model's chat template has no system role: leave out 'system'"
+            )
+        return system
 
     def _check_question(self, question) -> str:
         if not isinstance(question, str) or not question.strip():

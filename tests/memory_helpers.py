@@ -57,3 +57,11 @@ def make_session(
     session = Session(session_id or new_session_id(), list(range(tokens)), holding)
     write(memory, session, tokens, value)
     return session
+
+
+def one_pixel_changed(image):
+    """A copy of ``image`` with its top-left pixel's red channel moved by one."""
+    changed = image.convert("RGB").copy()
+    red, green, blue = changed.getpixel((0, 0))
+    changed.putpixel((0, 0), ((red + 1) % 256, green, blue))
+    return changed

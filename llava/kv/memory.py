@@ -9,6 +9,13 @@ A session's memory, hot to cold (docs/engine/memory.md §Memory policy):
 Image features live in pool blocks too, so the pool *is* the device budget: KV and features
 together can never exceed it; activations and graphs get the stated headroom beside it.
 
+Prefixes are shared (docs/engine/memory.md §Shared prefixes): a new device KV starts on the
+published blocks of the longest prefix it has in common with what any session computed
+(llava.kv.prefix), and an image's features are held once for every session on that image. A
+shared block counts once; moving a session down lets go of its references, so a block leaves
+the device only when no session there needs it, and even then stays reusable until its room
+is needed.
+
 One lock guards the pool's block map, the host bytes and every holding. Under device pressure
 a reservation moves the least recently used idle sessions down one rung at a time: device KV
 to host (older host copies dropped to make room), then whole sessions out. A reservation that
@@ -31,6 +38,7 @@ import torch
 from llava.counters import Counters
 from llava.errors import NoCapacity
 from llava.kv.pool import KVPool, SessionKV
+from llava.kv.prefix import feature_keys
 
 RETRY_AFTER_S = 1.0  # a turn lasts seconds: by then running turns have ended and are idle
 
@@ -89,6 +97,9 @@ class MemoryCounters(Counters):
     restored: int = 0  # host KV copied back for a turn
     demoted: int = 0  # KV dropped (from device or host): the next turn re-prefills
     evicted: int = 0  # whole sessions removed to free device memory
+    prefix_hits: int = 0  # device KVs started on blocks another session computed
+    prefix_tokens: int = 0  # tokens of those blocks (not computed again)
+    feature_hits: int = 0  # sessions given an image's features held already
 
 
 @dataclass(frozen=True)
@@ -113,10 +124,12 @@ class HostKV:
 class Holding:
     """What one session (or an opening in progress) holds. Read-only outside the manager."""
 
-    def __init__(self):
+    def __init__(self, image_key: bytes | None = None):
         self.label: str | None = None  # the session id, once the store adopts it
+        self.image_key = image_key  # its image's content key; None: not shared (or no image)
         self.kv: SessionKV | None = None
         self.host: HostKV | None = None
+        self.block_keys: list[bytes] = []  # content keys of its KV's first full blocks
         self.feature_blocks: list[int] = []
         self.feature_shape: tuple[int, int] | None = None
         self.pinned = True  # in a turn (or an opening): never moved by anyone else
@@ -127,6 +140,10 @@ class Holding:
         if self.kv is not None:
             return Tier.KV
         return Tier.HOST if self.host is not None else Tier.FEATURES
+
+    @property
+    def image_tokens(self) -> int:
+        return 0 if self.feature_shape is None else self.feature_shape[0]
 
     @property
     def device_blocks(self) -> int:
@@ -180,7 +197,8 @@ class MemoryManager:
         self._idle: OrderedDict[Holding, None] = OrderedDict()  # unpinned, least recent first
         self._evicted: list[str] = []  # labels the store has not heard of yet
         self._sessions = {tier: 0 for tier in Tier}  # adopted holdings per tier
-        self._feature_blocks = 0
+        self._feature_blocks = 0  # distinct pool blocks holding features
+        self._feature_shapes: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # by image key
         self._host_bytes = 0
         self._counters = MemoryCounters()
 
@@ -189,26 +207,53 @@ class MemoryManager:
         return cls(KVPool(text_config, budget.device_bytes, device, dtype), budget)
 
     # -- a holding's life ------------------------------------------------------------------
-    def hold(self) -> Holding:
-        """A new, empty, pinned holding (an opening's); ``adopt`` or ``release`` it."""
-        holding = Holding()
+    def hold(self, image_key: bytes | None = None) -> Holding:
+        """A new, empty, pinned holding (an opening's); ``adopt`` or ``release`` it.
+        ``image_key``: its image's content key, under which its features and prefix are
+        shared (None: nothing shared)."""
+        holding = Holding(image_key)
         with self._lock:
             self._holdings.add(holding)
         return holding
 
-    def hold_features(self, features: torch.Tensor | None) -> Holding | None:
-        """A new pinned holding with ``features`` in pool blocks and no KV (tier FEATURES: the
-        next turn re-prefills), for a session adopted from the persistent tier; None if the
-        free blocks cannot take them (nobody is moved for a session no one is waiting on)."""
-        holding = self.hold()
+    def hold_features(
+        self, features: torch.Tensor | None, image_key: bytes | None = None
+    ) -> Holding | None:
+        """A new pinned holding with ``features`` in pool blocks (those of its image held
+        already, if any) and no KV (tier FEATURES: the next turn re-prefills), for a session
+        adopted from the persistent tier; None if the free blocks cannot take them (nobody is
+        moved for a session no one is waiting on)."""
+        holding = self.hold(image_key)
         if features is None:
             return holding
         with self._lock:
+            if self.share_features(holding):
+                return holding
             if blocks_for(features.numel(), self.pool.block_numel) > self.pool.free_blocks:
                 self.release(holding)
                 return None
             self._store_features(holding, features)
         return holding
+
+    def share_features(self, holding: Holding) -> bool:
+        """Give a holding without features those of its image, if the pool holds them
+        (referenced or reclaimable): True if it now has them, nothing computed or copied."""
+        key = holding.image_key
+        with self._lock:
+            shape = self._feature_shapes.get(key) if key is not None else None
+            if shape is None or holding.feature_blocks:
+                return False
+            count = blocks_for(shape[0] * shape[1], self.pool.block_numel)
+            blocks = self.pool.match(feature_keys(key, count))
+            if len(blocks) < count:  # some were reclaimed: the rest go the same way
+                del self._feature_shapes[key]
+                return False
+            self._feature_blocks += sum(self.pool.refs(b) == 0 for b in blocks)
+            self.pool.share(blocks)
+            self._feature_shapes.move_to_end(key)
+            holding.feature_blocks, holding.feature_shape = blocks, shape
+            self._count(feature_hits=1)
+            return True
 
     def adopt(self, holding: Holding, label: str) -> None:
         """The store took it as session ``label``: counted, and movable once unpinned."""
@@ -243,8 +288,9 @@ class MemoryManager:
             with self._retiering(holding):
                 self._drop_kv(holding)
                 self._drop_host(holding)
-                self.pool.give_back(holding.feature_blocks)
-                self._feature_blocks -= len(holding.feature_blocks)
+                blocks = holding.feature_blocks
+                self._feature_blocks -= sum(self.pool.refs(b) == 1 for b in blocks)
+                self.pool.give_back(blocks)
                 holding.feature_blocks = []
             self._holdings.discard(holding)
             self._idle.pop(holding, None)
@@ -258,41 +304,61 @@ class MemoryManager:
 
     # -- reservations (the engine loop's thread) -------------------------------------------
     def reserve(
-        self, holding: Holding, extra_tokens: int, features: torch.Tensor | None = None
+        self,
+        holding: Holding,
+        extra_tokens: int,
+        features: torch.Tensor | None = None,
+        prefix: list[bytes] = (),
     ) -> Shortfall | None:
         """Device blocks for ``extra_tokens`` more KV tokens (a host copy comes back first)
-        and, with ``features``, for the session's image features, stored now. Moves idle
-        sessions down to make room; returns a Shortfall (taking nothing) if even moving every
-        idle one would not; raises NoCapacity if the whole pool could never hold it."""
-        pool = self.pool
+        and, with ``features``, for the session's image features, stored now. A holding with
+        no KV on the device starts on the longest run of ``prefix`` (the content keys of the
+        ids it is about to hold: llava.kv.prefix) that is published; its host copy's own keys
+        serve for that when it comes back; ``holding.kv.length`` then says what is there.
+        Moves idle sessions down to make room; returns a Shortfall (taking nothing) if even
+        moving every idle one would not; raises NoCapacity if the whole pool never could."""
         with self._lock:
-            kv = holding.kv
-            held = kv.length if kv is not None else holding.host.length if holding.host else 0
-            if kv is not None:
-                needed = pool.blocks_needed(kv, extra_tokens)
+            if holding.kv is not None:
+                kv, new_kv = holding.kv, None
+                total = kv.length + extra_tokens
+                needed = self.pool.blocks_needed(kv, extra_tokens)
             else:
-                needed = blocks_for(held + extra_tokens, pool.block_tokens)
-            feature_blocks = 0
+                host = holding.host
+                total = (0 if host is None else host.length) + extra_tokens
+                # shared blocks are taken first, so the room made below cannot reclaim them
+                kv = new_kv = self.pool.new_kv()
+                kv.attach(self.pool.match(holding.block_keys if host else list(prefix)))
+                needed = blocks_for(total, self.pool.block_tokens) - len(kv.blocks)
             if features is not None and not holding.feature_blocks:
-                feature_blocks = blocks_for(features.numel(), pool.block_numel)
-            if needed + feature_blocks + holding.device_blocks > pool.total_blocks:
-                raise NoCapacity(
-                    f"this session needs {held + extra_tokens} tokens of KV and its image, "
-                    "more than the server's whole device memory for sessions holds "
-                    f"({pool.total_blocks * pool.block_tokens} tokens); "
-                    "lower max_new_tokens or open a new session"
-                )
-            shortfall = self._make_room(needed + feature_blocks)
-            if shortfall is not None:
+                needed += blocks_for(features.numel(), self.pool.block_numel)
+            else:
+                features = None
+            problem = self._never_fits(holding, new_kv, needed, total)
+            shortfall = None if problem else self._make_room(needed)
+            if problem or shortfall:
+                if new_kv is not None:
+                    new_kv.free()
+                if problem:
+                    raise problem
                 return shortfall
             with self._retiering(holding):
-                if feature_blocks:
+                if features is not None:
                     self._store_features(holding, features)
-                if kv is not None:
+                if new_kv is None:
                     kv.reserve(extra_tokens)
                 else:
-                    self._new_kv(holding, extra_tokens)
+                    self._start_kv(holding, new_kv, total, prefix)
             return None
+
+    def publish(self, holding: Holding, keys: list[bytes]) -> None:
+        """``keys``: the content keys of the full blocks of the holding's KV as committed now
+        (llava.kv.prefix.block_keys): its blocks become reusable by any session under them."""
+        with self._lock:
+            kv = holding.kv
+            full = kv.length // self.pool.block_tokens
+            for index in range(len(holding.block_keys), min(full, len(keys))):
+                self.pool.publish(kv.blocks[index], keys[index])
+            holding.block_keys = list(keys[:full])
 
     def features(self, holding: Holding) -> torch.Tensor | None:
         """The session's image features, read out of their blocks (a temporary tensor)."""
@@ -303,10 +369,14 @@ class MemoryManager:
             data = self.pool.read_blocks(holding.feature_blocks)
         return data.view(-1)[: rows * hidden].view(rows, hidden)
 
-    def crop(self, holding: Holding, length: int) -> None:
-        """Keep the first ``length`` KV tokens; whole blocks past them go back to the pool."""
+    def crop(self, holding: Holding, length: int) -> int:
+        """Keep the first ``length`` KV tokens; whole blocks past them go back to the pool.
+        Returns the length kept: less where ``length`` ends inside a shared block
+        (llava.kv.pool.SessionKV.crop)."""
         with self._lock:
-            holding.kv.crop(length)
+            kept = holding.kv.crop(length)
+            del holding.block_keys[kept // self.pool.block_tokens :]
+            return kept
 
     def rewind(self, holding: Holding, length: int) -> None:
         """Forget what a failed step wrote past ``length``, keeping the blocks reserved."""
@@ -314,7 +384,7 @@ class MemoryManager:
             kv = holding.kv
             if kv.length > length:
                 spare = kv.capacity - length
-                kv.crop(length)
+                length = self.crop(holding, length)  # past every shared block: as asked
                 kv.reserve(spare)  # the blocks the crop just gave back: it cannot fail
 
     def move_down(self, holding: Holding) -> Tier:
@@ -368,41 +438,83 @@ class MemoryManager:
             )
 
     def check_integrity(self) -> set[str]:
-        """Walk everything: every block owned once or free, bytes per tier equal to the sum
-        over holdings, no holding in two tiers, budgets kept. Returns the adopted labels."""
+        """Walk everything: every block referenced exactly as often as block tables list it,
+        or empty, or reclaimable; no published block written past; bytes per tier equal to
+        the sum over holdings; no holding in two tiers; budgets kept. Returns the adopted
+        labels."""
         with self._lock:
-            pool, owner = self.pool, {}
-            sessions, host_bytes, feature_blocks = {t: 0 for t in Tier}, 0, 0
+            pool = self.pool
+            try:
+                pool.check()
+            except ValueError as e:
+                raise IntegrityError(str(e)) from None
+            references: dict[int, int] = {}
+            sessions, host_bytes, features = {t: 0 for t in Tier}, 0, set()
             for holding in self._holdings:
                 _require(not holding.evicted, "an evicted holding is still held")
                 _require(holding.kv is None or holding.host is None, "KV on device and host")
-                blocks = list(holding.feature_blocks)
-                blocks += [] if holding.kv is None else holding.kv.blocks
+                blocks = _device_blocks(holding)
+                _require(len(set(blocks)) == len(blocks), "a holding lists a block twice")
                 for block in blocks:
-                    _require(block not in owner, f"block {block} owned twice")
-                    _require(not pool.is_free(block), f"block {block} owned and free")
-                    owner[block] = holding
-                feature_blocks += len(holding.feature_blocks)
+                    references[block] = references.get(block, 0) + 1
+                features.update(holding.feature_blocks)
+                if holding.kv is not None:
+                    self._check_kv(holding)
                 host_bytes += 0 if holding.host is None else holding.host.nbytes
                 if holding.label is not None:
                     sessions[holding.tier] += 1
                 _require(holding.pinned != (holding in self._idle), "pinned and idle disagree")
-            free = sum(pool.is_free(b) for b in range(pool.total_blocks))
-            _require(free == pool.free_blocks, "the free count is not the free map")
-            _require(len(owner) + free == pool.total_blocks, "a block neither owned nor free")
-            _require(feature_blocks == self._feature_blocks, "feature blocks miscounted")
+            for block in range(pool.total_blocks):
+                listed, counted = references.get(block, 0), pool.refs(block)
+                _require(listed == counted, f"block {block}: listed {listed}x, counted {counted}x")
+            _require(len(features) == self._feature_blocks, "feature blocks miscounted")
             _require(host_bytes == self._host_bytes, "host bytes miscounted")
             _require(host_bytes <= self.budget.host_bytes, "host budget exceeded")
             _require(sessions == self._sessions, "sessions per tier miscounted")
             return {h.label for h in self._holdings if h.label is not None}
 
+    def _check_kv(self, holding: Holding) -> None:
+        """Its keys name its blocks, and no published block lies where it writes next."""
+        kv, pool = holding.kv, self.pool
+        full = kv.length // pool.block_tokens
+        _require(len(holding.block_keys) <= full, "keys for blocks not yet written")
+        for index, block in enumerate(kv.blocks):
+            key = pool.index.key_of(block)
+            if index >= full:
+                _require(key is None, f"block {block} is published and written past")
+            elif key is not None:
+                _require(key == holding.block_keys[index], f"block {block} has another's key")
+
     # -- internals (the caller holds self._lock) -------------------------------------------
+    def _never_fits(
+        self, holding: Holding, new_kv: SessionKV | None, needed: int, total: int
+    ) -> NoCapacity | None:
+        held = holding.device_blocks + (0 if new_kv is None else len(new_kv.blocks))
+        if needed + held <= self.pool.total_blocks:
+            return None
+        pool = self.pool
+        return NoCapacity(
+            f"this session needs {total} tokens of KV and its image, "
+            "more than the server's whole device memory for sessions holds "
+            f"({pool.total_blocks * pool.block_tokens} tokens); "
+            "lower max_new_tokens or open a new session"
+        )
+
+    def _movable(self, idle: list[Holding]) -> int:
+        """Blocks that moving every idle holding off the device would free: those that only
+        idle holdings reference (a block shared with a pinned one stays)."""
+        references: dict[int, int] = {}
+        for holding in idle:
+            for block in _device_blocks(holding):
+                references[block] = references.get(block, 0) + 1
+        return sum(count == self.pool.refs(block) for block, count in references.items())
+
     def _make_room(self, needed: int) -> Shortfall | None:
         pool = self.pool
         if needed <= pool.free_blocks:
             return None
         idle = list(self._idle)
-        movable = sum(h.device_blocks for h in idle)
+        movable = self._movable(idle)
         if needed > pool.free_blocks + movable:
             return Shortfall(
                 f"the device memory for sessions is full: this needs {needed} blocks, "
@@ -445,18 +557,25 @@ class MemoryManager:
                     self._count(demoted=1)
         return self._host_bytes + nbytes <= budget
 
-    def _new_kv(self, holding: Holding, extra_tokens: int) -> None:
-        """A device KV for the turn; a host copy, if any, comes back into its first blocks."""
-        kv, host = self.pool.new_kv(), holding.host
-        kv.reserve((0 if host is None else host.length) + extra_tokens)
+    def _start_kv(self, holding: Holding, kv: SessionKV, total: int, prefix: list[bytes]) -> None:
+        """The holding's new device KV, on ``kv``'s shared blocks, with room for ``total``
+        tokens; a host copy comes back into the blocks past the shared ones."""
+        shared, host = len(kv.blocks), holding.host
+        if shared:
+            self._count(prefix_hits=1, prefix_tokens=kv.length)
+        kv.reserve(total - kv.length)
         if host is not None:
-            self._copies.to_device(kv.blocks[: host.data.shape[3]], host.data)
+            written = host.data.shape[3]
+            self._copies.to_device(kv.blocks[shared:written], host.data[:, :, :, shared:])
             kv.length = host.length
             self._drop_host(holding)
             self._count(restored=1)
+        else:
+            holding.block_keys = list(prefix[:shared])
         holding.kv = kv
 
     def _store_features(self, holding: Holding, features: torch.Tensor) -> None:
+        """Features in new pool blocks, published under the holding's image key (if any)."""
         pool = self.pool
         count = blocks_for(features.numel(), pool.block_numel)
         blocks = pool.allocate(count)
@@ -466,6 +585,14 @@ class MemoryManager:
         holding.feature_blocks = blocks
         holding.feature_shape = (features.shape[0], features.shape[1])
         self._feature_blocks += count
+        key = holding.image_key
+        if key is not None:
+            for block, block_key in zip(blocks, feature_keys(key, count), strict=True):
+                pool.publish(block, block_key)
+            self._feature_shapes[key] = holding.feature_shape
+            self._feature_shapes.move_to_end(key)
+            while len(self._feature_shapes) > pool.total_blocks:  # more than could be held
+                self._feature_shapes.popitem(last=False)
 
     def _evict(self, holding: Holding) -> None:
         label = holding.label
@@ -498,6 +625,10 @@ class MemoryManager:
 
     def _count(self, **increments: int) -> None:
         self._counters = self._counters.plus(**increments)
+
+
+def _device_blocks(holding: Holding) -> list[int]:
+    return holding.feature_blocks + ([] if holding.kv is None else holding.kv.blocks)
 
 
 def _require(condition: bool, problem: str) -> None:

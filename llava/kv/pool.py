@@ -4,11 +4,19 @@ A session's KV is a block table into that tensor plus a length, so the bytes a s
 are exactly blocks * bytes_per_block, and the allocator's view never moves after start-up: a
 turn that needs more than the free blocks gets ``KVPoolFull`` (the caller demotes or refuses)
 instead of an out-of-memory error mid-forward (docs/engine/memory.md §KV pool).
+
+Blocks are reference-counted: a block of a shared prefix (llava.kv.prefix) sits in the block
+tables of every session that reuses it and is free only when the last one lets go; even then
+it stays indexed, and counted as free room, until an allocation needs it.
 """
 
 from __future__ import annotations
 
+from array import array
+
 import torch
+
+from llava.kv.prefix import PrefixIndex
 
 BLOCK_TOKENS = 16  # tokens per pool block unless a pool is given another size
 
@@ -59,13 +67,19 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
-        self._free_map = bytearray(b"\x01") * self.total_blocks  # 1: block i is free
-        self._free_count = self.total_blocks
+        self._free_map = bytearray(b"\x01") * self.total_blocks  # 1: empty (no one, no key)
+        self._free_count = self.total_blocks  # empty blocks
+        self._refs = array("l", [0]) * self.total_blocks  # block tables that list block i
+        self.index = PrefixIndex()  # published blocks; unreferenced ones are reclaimable
         self._never_used = bytearray(b"\x01") * self.total_blocks  # 1: still as allocated
 
     @property
     def free_blocks(self) -> int:
-        return self._free_count
+        """Room for new blocks: empty ones and unreferenced published ones (reclaimed on need)."""
+        return self._free_count + self.index.unused
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
     @property
     def allocated_bytes(self) -> int:
@@ -78,6 +92,7 @@ class KVPool:
         return self.bytes_per_block // self.kv.element_size()
 
     def is_free(self, block: int) -> bool:
+        """Empty: referenced by no one and holding no published prefix."""
         return bool(self._free_map[block])
 
     def new_kv(self) -> SessionKV:
@@ -87,8 +102,7 @@ class KVPool:
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks for data other than a sequence's KV (image features), highest free
         first so the low runs stay whole for KV; raises KVPoolFull taking none."""
-        if n > self._free_count:
-            raise KVPoolFull(f"need {n} blocks, {self._free_count} free of {self.total_blocks}")
+        self._make_empty(n)
         taken, at = [], len(self._free_map)
         while len(taken) < n:
             at = self._free_map.rfind(1, 0, at)
@@ -96,8 +110,33 @@ class KVPool:
         return self._mark_taken(taken)
 
     def give_back(self, blocks: list[int]) -> None:
-        """Blocks from ``allocate`` (or a block table) are free again."""
+        """One reference fewer to each of ``blocks`` (from ``allocate``, ``share`` or a block
+        table); a block no one references is free again."""
         self._give_back(blocks)
+
+    # -- shared prefixes (llava.kv.prefix) -------------------------------------------------
+    def match(self, keys: list[bytes]) -> list[int]:
+        """The published blocks of the longest run of ``keys`` from the first (nothing taken)."""
+        return self.index.find(keys)
+
+    def share(self, blocks: list[int]) -> None:
+        """One reference more to each of ``blocks`` (published: referenced or reclaimable)."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                if not self.index.is_unused(block):
+                    raise ValueError(f"block {block} is neither referenced nor published")
+                self.index.used(block)
+            self._refs[block] += 1
+
+    def publish(self, block: int, key: bytes) -> None:
+        """``block`` (referenced, fully written) holds the prefix ``key`` from now on, and is
+        never written again; a key another block holds already leaves this one private."""
+        if self._refs[block] < 1:
+            raise ValueError(f"block {block} is not referenced")
+        self.index.publish(block, key)
+
+    def is_published(self, block: int) -> bool:
+        return self.index.key_of(block) is not None
 
     def blocks_shape(self, n: int) -> torch.Size:
         """Shape of what ``read_blocks`` returns for ``n`` blocks (opaque: the layout's)."""
@@ -139,19 +178,20 @@ class KVPool:
         (the runner reads adjacent KV in place, scattered KV by a gather on every step):
 
         1. the blocks right after its last one;
-        2. else, if a free run fits all its blocks and the new ones, its KV moves there (one
-           copy of its written tokens now instead of a gather at every step from here on);
+        2. else, if a free run fits all its blocks and the new ones and none of them is shared,
+           its KV moves there (one copy of its written tokens now instead of a gather at every
+           step from here on);
         3. else the first free run of ``n``, else the lowest free blocks.
         """
-        if n > self._free_count:
-            raise KVPoolFull(f"need {n} KV blocks, {self._free_count} free of {self.total_blocks}")
         held = kv.blocks
         if n == 0:
             return held
+        self._make_empty(n)
         free_map = self._free_map
         if held and free_map[held[-1] + 1 : held[-1] + 1 + n] == b"\x01" * n:
             return held + self._mark_taken(range(held[-1] + 1, held[-1] + 1 + n))
-        start = free_map.find(b"\x01" * (len(held) + n)) if held else -1
+        private = not any(self.is_published(block) for block in held)
+        start = free_map.find(b"\x01" * (len(held) + n)) if held and private else -1
         if start >= 0:
             moved = self._mark_taken(range(start, start + len(held) + n))
             self._copy(kv, moved)
@@ -166,9 +206,20 @@ class KVPool:
             lowest.append(at)
         return held + self._mark_taken(lowest)
 
+    def _make_empty(self, n: int) -> None:
+        """At least ``n`` empty blocks, reclaiming the least recently used unreferenced
+        published ones as needed; raises KVPoolFull (reclaiming none) if there is no room."""
+        if n > self.free_blocks:
+            raise KVPoolFull(f"need {n} blocks, {self.free_blocks} free of {self.total_blocks}")
+        while self._free_count < n:
+            block = self.index.reclaim()
+            self._free_map[block] = 1
+            self._free_count += 1
+
     def _mark_taken(self, blocks) -> list[int]:
         for block in blocks:
             self._free_map[block] = 0
+            self._refs[block] = 1
         self._free_count -= len(blocks)
         self._clear_never_used(blocks)
         return list(blocks)
@@ -195,8 +246,31 @@ class KVPool:
 
     def _give_back(self, blocks: list[int]) -> None:
         for block in blocks:
-            self._free_map[block] = 1
-        self._free_count += len(blocks)
+            if self._refs[block] < 1:
+                raise ValueError(f"block {block} given back more often than it was taken")
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            if self.is_published(block):
+                self.index.release(block)  # reclaimable, still found by its key
+            else:
+                self._free_map[block] = 1
+                self._free_count += 1
+
+    def check(self) -> None:
+        """Raise ValueError unless every block is exactly one of: empty, referenced, or
+        published and unreferenced (reclaimable); the counts agree."""
+        empty = 0
+        for block in range(self.total_blocks):
+            refs, published = self._refs[block], self.is_published(block)
+            states = (self._free_map[block] == 1, refs > 0, self.index.is_unused(block))
+            if sum(states) != 1:
+                raise ValueError(f"block {block}: empty, referenced, reclaimable = {states}")
+            if states[0] and published or states[2] and not published:
+                raise ValueError(f"block {block} is indexed wrongly")
+            empty += states[0]
+        if empty != self._free_count:
+            raise ValueError("the empty count is not the free map")
 
 
 class SessionKV:
@@ -222,14 +296,29 @@ class SessionKV:
             raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
         self.blocks = self.pool._grow(self, self.pool.blocks_needed(self, extra_tokens))
 
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` tokens; whole blocks past them go back to the pool."""
+    def attach(self, blocks: list[int]) -> None:
+        """Start an empty KV on published ``blocks`` (a shared prefix): referenced, not copied."""
+        if self.blocks:
+            raise ValueError("a shared prefix starts an empty KV")
+        self.pool.share(blocks)
+        self.blocks = list(blocks)
+        self.length = len(blocks) * self.pool.block_tokens
+
+    def crop(self, length: int) -> int:
+        """Keep the first ``length`` tokens; whole blocks past them go back to the pool. Where
+        ``length`` ends inside a published block, which is never written again, that block
+        goes too: returns the length kept (``length`` rounded down to its block then)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a KV of {self.length} tokens to {length}")
+        bt = self.pool.block_tokens
+        keep = -(-length // bt)
+        if length % bt and self.pool.is_published(self.blocks[keep - 1]):
+            keep -= 1
+            length = keep * bt
         self.length = length
-        keep = -(-length // self.pool.block_tokens)
         self.pool._give_back(self.blocks[keep:])
         del self.blocks[keep:]
+        return length
 
     def free(self) -> None:
         """Give every block back (idempotent)."""

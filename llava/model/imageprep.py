@@ -10,6 +10,9 @@ own behaviour is kept (llava-hf checkpoints). See docs/engine/prompt-fidelity.md
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 from PIL import Image
 
 from llava.config import SettingsError
@@ -44,6 +47,18 @@ def pad_to_square(image: Image.Image, fill: tuple[int, int, int] | int) -> Image
     square = Image.new(image.mode, (side, side), fill)
     square.paste(image, ((side - width) // 2, (side - height) // 2))
     return square
+
+
+def content_key(image: Image.Image, salt: bytes) -> bytes:
+    """A SHA-256 of the decoded pixels with their mode, size and palette, and ``salt`` (what
+    else changes the features: model, preprocessing): never of a URL or an object. One pixel
+    changed is another key (docs/engine/memory.md §Shared prefixes)."""
+    digest = hashlib.sha256(salt)
+    digest.update(image.mode.encode() + b"\0" + struct.pack("<II", *image.size))
+    palette = image.getpalette() if image.mode in ("P", "PA") else None
+    digest.update(bytes(palette or ()))
+    digest.update(image.tobytes())
+    return digest.digest()
 
 
 def prepare_image(image: Image.Image, mode: str | None, image_processor) -> Image.Image:

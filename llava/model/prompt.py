@@ -21,6 +21,20 @@ _PROBE_QUESTIONS = ("What is this?", "12 猫", '"Describe" it')
 _PROBE_ANSWER = "It is a probe."
 
 
+def system_message(text: str) -> dict:
+    return {"role": "system", "content": [{"type": "text", "text": text}]}
+
+
+def opening_messages(system: str | None) -> list[dict]:
+    """What a conversation starts with before its first question: the system prompt, if any."""
+    return [system_message(system)] if system else []
+
+
+def asked_yet(messages: list[dict]) -> bool:
+    """Whether the conversation has a question yet (the first carries the image)."""
+    return any(message["role"] == "user" for message in messages)
+
+
 def user_message(text: str, with_image: bool = False) -> dict:
     content = [{"type": "image"}] if with_image else []
     content.append({"type": "text", "text": text})
@@ -83,11 +97,25 @@ class ChatPrompt:
             out.extend([token] * image_tokens if token == image_id else [token])
         return out
 
-    def opening_ids(self, with_image: bool, image_tokens: int = 0) -> list[int]:
-        """The ids every first question starts with (BOS, role, image): prefilled at open."""
-        probes = [self.ids([user_message(q, with_image)], image_tokens) for q in _PROBE_QUESTIONS]
+    def opening_ids(
+        self, with_image: bool, image_tokens: int = 0, system: str | None = None
+    ) -> list[int]:
+        """The ids every first question starts with (BOS, system prompt, role, image):
+        prefilled at open."""
+        start = opening_messages(system)
+        probes = [
+            self.ids([*start, user_message(q, with_image)], image_tokens) for q in _PROBE_QUESTIONS
+        ]
         shared = min(common_prefix_length(probes[0], other) for other in probes[1:])
         return probes[0][:shared]
+
+    def renders_system(self) -> bool:
+        """Whether the template renders a system message (some refuse the role)."""
+        try:
+            text = self.render([system_message(_PROBE_ANSWER), user_message(_PROBE_QUESTIONS[0])])
+        except Exception:  # a template's own refusal (jinja's TemplateError, or any raise)
+            return False
+        return _PROBE_ANSWER in text
 
     def check_stateful(self) -> None:
         """Raise ValueError unless a follow-up's prompt ids extend the previous turn's prompt ids.

@@ -22,7 +22,15 @@ import torch
 from llava.errors import InvalidRequest
 from llava.exec.runner import StepInput
 from llava.kv.memory import Holding, MemoryManager, Shortfall, Tier
-from llava.model.prompt import ChatPrompt, assistant_message, common_prefix_length, user_message
+from llava.kv.prefix import block_keys
+from llava.model.prompt import (
+    ChatPrompt,
+    asked_yet,
+    assistant_message,
+    common_prefix_length,
+    opening_messages,
+    user_message,
+)
 from llava.sampling.chooser import Chooser
 from llava.sampling.detokenizer import Detokenizer
 from llava.sampling.params import GenerationParams
@@ -48,10 +56,29 @@ class RequestContext:
     image_token_id: int
     max_positions: int
     journal: SessionJournal | NoJournal = NoJournal()
+    share_prefixes: bool = True  # EngineConfig.share_prefixes
 
-    def persist(self, session: Session, features: torch.Tensor | None = None) -> None:
-        """Write the session's committed state to the persistent tier before its reply goes
-        (docs/engine/sessions.md §Persistent tier); the caller holds the session's turn."""
+    def prefix_keys(self, holding: Holding, ids: list[int], known: list[bytes] = ()) -> list[bytes]:
+        """The content keys of the full blocks of ``ids`` in ``holding``'s session (none when
+        sharing is off); ``known``: those of its first blocks (llava.kv.prefix.block_keys)."""
+        if not self.share_prefixes:
+            return []
+        bt = self.memory.pool.block_tokens
+        return block_keys(ids, bt, holding.image_key, self.image_token_id, known)
+
+    def publish(self, session: Session) -> None:
+        """The session's committed KV becomes reusable by others (before its reply goes)."""
+        holding = session.holding
+        keys = self.prefix_keys(holding, session.token_ids[: holding.kv.length], holding.block_keys)
+        self.memory.publish(holding, keys)
+
+    def persist(self, session: Session, with_features: bool = False) -> None:
+        """Write the session's committed state (at open, ``with_features``: its image features
+        too) to the persistent tier before its reply goes (docs/engine/sessions.md
+        §Persistent tier); the caller holds the session's turn."""
+        if not self.journal.enabled:
+            return
+        features = self.memory.features(session.holding) if with_features else None
         snapshot = Snapshot(
             session.session_id,
             session.token_ids,
@@ -59,6 +86,7 @@ class RequestContext:
             session.turns,
             time.time(),
             self.store.ttl_s,
+            None if session.holding.image_key is None else session.holding.image_key.hex(),
         )
         try:
             self.journal.save(snapshot, features)
@@ -83,8 +111,9 @@ EOS, MAX_NEW_TOKENS, DEADLINE, CANCELLED = "eos", "max_new_tokens", "deadline", 
 class Opened:
     session_id: str
     expires_at: datetime
-    prefill_tokens: int
+    prefill_tokens: int  # computed by this open
     image_tokens: int
+    cached_tokens: int = 0  # of the opening prompt, reused from blocks others computed
 
 
 @dataclass(frozen=True)
@@ -164,7 +193,8 @@ class _Request:
 
 
 class OpenRequest(_Request):
-    """The vision tower once, then the opening's prefill; the session starts hot."""
+    """The vision tower once (not at all when the image's features are held), then the
+    opening's prefill past the blocks other sessions computed for it; the session starts hot."""
 
     prefilling = True
 
@@ -174,31 +204,51 @@ class OpenRequest(_Request):
         deadline_s: float,
         pixels: torch.Tensor | None,
         session_id: str | None,
+        image_key: bytes | None = None,
+        system: str = "",
     ):
         super().__init__(context, deadline_s)
         self.pixels = pixels
         self.session_id = session_id
+        self.image_key = image_key  # None: the image's features and prefix are not shared
+        self.system = system
         self.features: torch.Tensor | None = None
         self.holding: Holding | None = None
+        self.ids: list[int] = []
 
     def admit(self) -> Shortfall | None:
-        context = self.context
-        if self.pixels is not None and self.features is None:  # kept if a shortfall waits
-            self.features = context.encode_image(self.pixels)
-        image_tokens = 0 if self.features is None else self.features.shape[0]
-        ids = context.prompt.opening_ids(self.features is not None, image_tokens)
-        holding = context.memory.hold()
+        context, memory = self.context, self.context.memory
+        holding = memory.hold(self.image_key)
         try:
-            shortfall = context.memory.reserve(holding, len(ids), self.features)
+            shortfall = self._reserve(holding)
         except BaseException:
-            context.memory.release(holding)
+            memory.release(holding)
             raise
         if shortfall is not None:
-            context.memory.release(holding)
+            memory.release(holding)
             return shortfall
         self.holding = holding
-        self.feed = Feed(holding, ids, self.features, context.image_token_id)
+        cached = holding.kv.length
+        images_fed = self.ids[:cached].count(context.image_token_id)
+        features = None
+        if images_fed < holding.image_tokens:  # the prefill feeds image tokens
+            features = self.features if self.features is not None else memory.features(holding)
+        self.feed = Feed(holding, self.ids[cached:], features, context.image_token_id, images_fed)
         return None
+
+    def _reserve(self, holding: Holding) -> Shortfall | None:
+        context, memory = self.context, self.context.memory
+        shared = self.pixels is not None and memory.share_features(holding)
+        if self.pixels is not None and not shared and self.features is None:
+            self.features = context.encode_image(self.pixels)  # kept if a shortfall waits
+        if self.features is not None and not shared:
+            image_tokens = self.features.shape[0]
+        else:
+            image_tokens = holding.image_tokens
+        self.ids = context.prompt.opening_ids(self.pixels is not None, image_tokens, self.system)
+        keys = context.prefix_keys(holding, self.ids)
+        features = None if shared else self.features
+        return memory.reserve(holding, len(self.ids), features, prefix=keys)
 
     def stop_reason(self, now: float) -> str | None:
         return None  # one prefill: it ends at once
@@ -207,19 +257,22 @@ class OpenRequest(_Request):
         return None if self.feed.pending else EOS
 
     def finish(self, reason: str) -> None:
-        store = self.context.store
-        feed = self.feed
-        session = Session(self.session_id or new_session_id(), feed.ids, self.holding)
+        context, store = self.context, self.context.store
+        session = Session(self.session_id or new_session_id(), self.ids, self.holding)
+        session.messages = opening_messages(self.system)
         with session.lock:  # persisted before anyone else can use it
             store.add(session)
             self.holding = None  # the session owns it now
-            self.context.persist(session, self.features)
+            context.publish(session)
+            context.persist(session, with_features=True)
+        cached = len(self.ids) - len(self.feed.ids)
         self.future.set_result(
             Opened(
                 session_id=session.session_id,
                 expires_at=store.expires_at(session),
-                prefill_tokens=len(feed.ids),
+                prefill_tokens=len(self.feed.ids),
                 image_tokens=session.image_tokens,
+                cached_tokens=cached,
             )
         )
 
@@ -265,17 +318,22 @@ class TurnRequest(_Request):
             if self.tier is None:
                 self.tier = session.tier
             image_tokens = session.image_tokens
-            first_has_image = not session.messages and image_tokens > 0
+            first_has_image = image_tokens > 0 and not asked_yet(session.messages)
             self.messages = [*session.messages, user_message(self.question, first_has_image)]
             self.prompt = context.prompt.ids(self.messages, image_tokens)
-            context.check_length(len(self.prompt) + self.params.max_new_tokens)
+            total = len(self.prompt) + self.params.max_new_tokens
+            context.check_length(total)
             shortfall = None
             if session.tier is Tier.HOST:  # its KV comes back first: then reuse it as usual
                 shortfall = memory.reserve(holding, 0)
-            if shortfall is None:
+            if shortfall is None and holding.kv is None:  # recomputed, on any shared prefix
+                # at least one id is prefilled: its logits start the answer
+                keys = context.prefix_keys(holding, self.prompt[:-1])
+                shortfall = memory.reserve(holding, total, prefix=keys)
+                self.reused = 0 if shortfall else holding.kv.length
+            elif shortfall is None:
                 self.reused = self._reuse(holding, session.token_ids)
-                extra = len(self.prompt) - self.reused + self.params.max_new_tokens
-                shortfall = memory.reserve(holding, extra)
+                shortfall = memory.reserve(holding, total - self.reused)
         except BaseException:
             store.end_turn(session)
             raise
@@ -300,13 +358,11 @@ class TurnRequest(_Request):
         differently inside the next prompt (docs/engine/prompt-fidelity.md §Canonical prompt): the
         prompt is the checkpoint's canonical tokenization, so the differing tail is prefilled again.
         """
-        if holding.kv is None:
-            return 0
         held = history[: holding.kv.length]
         # at least one id is prefilled: its logits start the answer
         reused = min(common_prefix_length(self.prompt, held), len(self.prompt) - 1)
         if reused < holding.kv.length:
-            self.context.memory.crop(holding, reused)
+            reused = self.context.memory.crop(holding, reused)  # less inside a shared block
         return reused
 
     def stop_reason(self, now: float) -> str | None:
@@ -346,6 +402,7 @@ class TurnRequest(_Request):
         session.messages = [*self.messages, assistant_message(text)]
         session.turns += 1
         memory.crop(session.holding, session.kv.length)  # the blocks reserved but not written
+        self.context.publish(session)
         self.context.persist(session)
         store.end_turn(session)
         self.session = None

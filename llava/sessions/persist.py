@@ -59,6 +59,7 @@ class Snapshot:
     turns: int
     last_used_wall: float  # time.time() of its last commit
     ttl_s: float
+    image_key: str | None = None  # hex content key its features and prefix are shared under
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ class _Entry:
 class NoJournal:
     """The persistent tier turned off: sessions die with their worker, as before."""
 
+    enabled = False
+
     def save(self, snapshot: Snapshot, features: torch.Tensor | None = None) -> bool:
         return False
 
@@ -140,6 +143,7 @@ class NoJournal:
 
 
 class SessionJournal:
+    enabled = True
     """One engine's entries in ``directory``, at most ``max_bytes`` of them.
 
     A save that would pass the cap removes the session's entry instead (it is then not
@@ -252,6 +256,7 @@ class SessionJournal:
             "turns": snapshot.turns,
             "lastUsedWall": snapshot.last_used_wall,
             "ttlS": snapshot.ttl_s,
+            "imageKey": snapshot.image_key,
             "features": features_digest,
         }
 
@@ -283,6 +288,7 @@ class SessionJournal:
                 turns=int(header["turns"]),
                 last_used_wall=float(header["lastUsedWall"]),
                 ttl_s=float(header["ttlS"]),
+                image_key=_image_key(header.get("imageKey")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BadEntry(f"a state without {e}") from None
@@ -362,6 +368,12 @@ class SessionJournal:
         self._total -= self._entries.pop(session_id, _Entry()).total
         for suffix in (STATE, FEATURES):
             self._path(session_id, suffix).unlink(missing_ok=True)
+
+
+def _image_key(value) -> str | None:
+    if value is not None and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
+        raise ValueError("a well-formed imageKey")
+    return value
 
 
 def _pack(suffix: str, header: dict, payload: bytes) -> bytes:

@@ -36,5 +36,4 @@ class Session:
 
     @property
     def image_tokens(self) -> int:
-        shape = self.holding.feature_shape
-        return 0 if shape is None else shape[0]
+        return self.holding.image_tokens

@@ -76,7 +76,12 @@ def test_kv_reuse_equals_full_recompute_over_many_turns(engine, sample, with_ima
     assert cached_before == sorted(cached_before) and cached_before[0] > 0
 
 
-def test_answer_after_demotion_to_features_is_unchanged(engine, sample):
+@pytest.mark.parametrize("share", [False, True], ids=["unshared", "shared"])
+def test_answer_after_demotion_to_features_is_unchanged(demo_model, sample, share):
+    """Recomputed from its features; with sharing on, on the blocks it (and the hot session)
+    published, which stay reusable after it let go of them."""
+    config = EngineConfig(model_dir="-", share_prefixes=share, check_memory_when_idle=True)
+    engine = Engine(demo_model, config, MemoryBudget(1 << 30))
     hot = engine.open(sample.image).session_id
     cold = engine.open(sample.image).session_id
     for question in CONVERSATION[:3]:
@@ -85,8 +90,9 @@ def test_answer_after_demotion_to_features_is_unchanged(engine, sample):
     assert engine.memory.move_down(engine.store.session(cold).holding) is Tier.FEATURES
     hot_answer = engine.ask(hot, "What color is the shape?", {"max_new_tokens": MAX_NEW})
     cold_answer = engine.ask(cold, "What color is the shape?", {"max_new_tokens": MAX_NEW})
-    assert cold_answer.tier is Tier.FEATURES and cold_answer.cached_tokens == 0
-    assert cold_answer.new_tokens > hot_answer.new_tokens
+    assert cold_answer.tier is Tier.FEATURES and (cold_answer.cached_tokens > 0) == share
+    if not share:  # everything computed again
+        assert cold_answer.new_tokens > hot_answer.new_tokens
     assert cold_answer.token_ids == hot_answer.token_ids
     assert cold_answer.text == sample.color
 

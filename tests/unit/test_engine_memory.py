@@ -207,4 +207,4 @@ def test_a_debug_engine_checks_its_books_whenever_it_goes_idle(demo_model, caplo
     engine.memory.pool.give_back(engine.store.session(session_id).kv.blocks[:1])
     engine.ask(session_id, "And its shape?", SHORT)
     engine.loop.call(lambda: None)  # one more pass: the loop went idle after the turn
-    assert "idle check failed" in caplog.text and "owned and free" in caplog.text
+    assert "idle check failed" in caplog.text and "block 0: listed 1x, counted 0x" in caplog.text

@@ -25,7 +25,7 @@ from llava.sessions.persist import (
 )
 from llava.sessions.session import Tier
 from serving.interrupted import StreamEnd
-from tests.memory_helpers import FakeClock
+from tests.memory_helpers import FakeClock, one_pixel_changed
 
 QUESTIONS = ["What shape is it?", "And its color?", "Say that again.", "What color is the shape?"]
 MODEL = "model-a"
@@ -178,7 +178,7 @@ def test_a_session_that_expired_or_found_no_room_meanwhile_is_told_why(
     """What a restarted worker cannot adopt is answered as expired or evicted (not as an id
     never seen), and closing it is the idempotent close."""
     first = new_engine(demo_model, tmp_path)
-    held = [first.open(sample.image).session_id for _ in range(2)]
+    held = [first.open(image).session_id for image in (sample.image, one_pixel_changed(sample.image))]
     first.stop()
     SessionJournal(tmp_path, 1 << 20, first.journal.model).save(
         snapshot("idle", last_used=time.time() - 120, ttl_s=60)  # expired while down

@@ -1,0 +1,106 @@
+"""Content keys of KV blocks, and the index of blocks that hold a known prefix.
+
+A full block's key is a SHA-256 chained over everything its KV depends on: the key of the
+block before it, its token ids and, when it holds image tokens, the image's content key (a
+hash of the decoded pixels and of everything that changes its features: never a URL). Two
+blocks with one key hold the same KV, so a session whose prompt starts with another's full
+blocks reuses them read-only instead of computing them (docs/engine/memory.md §Shared prefixes).
+
+``PrefixIndex`` maps keys to the pool blocks that hold them. A published block is never
+written again; when no session references it any more it stays indexed, in least-recently
+-used order, until its room is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+_ROOT = hashlib.sha256(b"stateful-llava kv prefix 1").digest()
+
+
+def block_keys(
+    ids: Sequence[int],
+    block_tokens: int,
+    image_key: bytes | None,
+    image_token_id: int,
+    known: Sequence[bytes] = (),
+) -> list[bytes]:
+    """The keys of every full block of ``ids``; ``known``: those of its first blocks, already
+    computed (a session's keys grow with its history)."""
+    keys = list(known)
+    packed = struct.Struct(f"<{block_tokens}q")
+    for start in range(len(keys) * block_tokens, len(ids) - block_tokens + 1, block_tokens):
+        chunk = ids[start : start + block_tokens]
+        digest = hashlib.sha256(keys[-1] if keys else _ROOT)
+        digest.update(packed.pack(*chunk))
+        if image_token_id in chunk:
+            if image_key is None:  # every image token's KV depends on which image it was
+                raise ValueError("image tokens in a prefix without the image's content key")
+            digest.update(image_key)
+        keys.append(digest.digest())
+    return keys
+
+
+def feature_keys(image_key: bytes, blocks: int) -> list[bytes]:
+    """The keys of the pool blocks holding an image's features."""
+    return [hashlib.sha256(b"features %d " % i + image_key).digest() for i in range(blocks)]
+
+
+class PrefixIndex:
+    """Key ↔ block for published blocks, and which of them no one references (reclaimable,
+    least recently used first). Bookkeeping only: the pool counts references."""
+
+    def __init__(self):
+        self._block_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._unused: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    @property
+    def unused(self) -> int:
+        """Published blocks no one references: free room that still answers lookups."""
+        return len(self._unused)
+
+    def find(self, keys: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest run of ``keys``, from the first, that are published."""
+        found = []
+        for key in keys:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def key_of(self, block: int) -> bytes | None:
+        return self._key_of.get(block)
+
+    def is_unused(self, block: int) -> bool:
+        return block in self._unused
+
+    def publish(self, block: int, key: bytes) -> bool:
+        """Index ``block`` (referenced, fully written) under ``key``; False if the key already
+        has a block (this one stays private) or the block has a key."""
+        if key in self._block_of or block in self._key_of:
+            return False
+        self._block_of[key] = block
+        self._key_of[block] = key
+        return True
+
+    def used(self, block: int) -> None:
+        """A published block is referenced again."""
+        self._unused.pop(block, None)
+
+    def release(self, block: int) -> None:
+        """A published block is referenced no more: the most recently used reclaimable one."""
+        self._unused[block] = None
+
+    def reclaim(self) -> int:
+        """Forget the least recently used unreferenced block and return it (now empty room)."""
+        block, _ = self._unused.popitem(last=False)
+        del self._block_of[self._key_of.pop(block)]
+        return block
