@@ -31,6 +31,9 @@ _COUNTERS = {
     ("memory", "restored"): "SessionsRestoredFromHost",
     ("memory", "demoted"): "SessionsDemoted",
     ("memory", "evicted"): "SessionsEvicted",
+    ("memory", "prefix_hits"): "PrefixHits",
+    ("memory", "prefix_tokens"): "PrefixCachedTokens",
+    ("memory", "feature_hits"): "ImageFeatureHits",
     ("runner", "attention_fallbacks"): "AttentionFallbacks",
     ("runner", "graph_capture_failures"): "GraphCaptureFailures",
 }

@@ -24,6 +24,7 @@ from llava_wire import CANCEL_TURN, CLOSE_SESSION, NEW_SESSION, SESSION, SESSION
 class OpenSession:
     image: dict | None  # a source object for llava.intake.load_image, or None: text-only
     session_id: str | None = None  # the client's own id (extSessionID), or None: we pick one
+    system: Any = None  # the session's system prompt (checked by the engine), None: the default
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ def _open(payload: dict, from_header: str | None, from_body: str | None) -> Open
             code="INPUTS_WITHOUT_SESSION",
         )
     image = payload.get("image")
-    return OpenSession(None if image is None else parse_image_source(image), from_body)
+    source = None if image is None else parse_image_source(image)
+    return OpenSession(source, from_body, payload.get("system"))
 
 
 def _parameters(payload: dict) -> dict | None:

@@ -103,7 +103,7 @@ class LlavaService:
         image = None
         if request.image is not None:
             image = load_image(request.image, self.policy, fit=self.engine.image_side)
-        opened = self.engine.open(image, request.session_id)
+        opened = self.engine.open(image, request.session_id, request.system)
         value = session_header_value(opened.session_id, opened.expires_at)
         reply.header(SESSION_HEADER, value)
         reply.header(NEW_SESSION_HEADER, value)
@@ -112,6 +112,7 @@ class LlavaService:
             "expiresAt": _iso(opened.expires_at),
             "imageTokens": opened.image_tokens,
             "prefillTokens": opened.prefill_tokens,
+            "usage": {"newTokens": opened.prefill_tokens, "cachedTokens": opened.cached_tokens},
         }
 
     def _close(self, request: CloseSession, reply: _Reply) -> dict:

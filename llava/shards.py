@@ -132,21 +132,22 @@ class ShardedEngine:
         return time.perf_counter() - start
 
     # -- the operations --------------------------------------------------------------------
-    def open(self, image=None, session_id: str | None = None) -> Opened:
+    def open(self, image=None, session_id: str | None = None, system: str | None = None) -> Opened:
         """Open on the placed shard. The id (the caller's, or a new one) is bound to that
         shard before any model work, so an id is unique across the shards."""
+        holder = self._holder_of(image)
         with self._lock:
             if session_id is None:
                 session_id = new_session_id()
             else:
                 self._check_id_free(session_id)
-            index = self._place()
+            index = self._place(holder)
             self._home[session_id] = index
             self._opening[session_id] = index
         engine = self.shards[index]
         try:
             with self._running(index):
-                opened = self._call(index, engine.open, image, session_id)
+                opened = self._call(index, engine.open, image, session_id, system)
             self._learn_open_bytes(engine, session_id)
             return opened
         except BaseException:
@@ -243,11 +244,21 @@ class ShardedEngine:
     def _ready(self, index: int) -> bool:
         return self.shards[index].loop.alive and self._failures[index] < FAILURES_UNTIL_UNREADY
 
-    def _place(self) -> int:
+    def _holder_of(self, image) -> int | None:
+        """The shard that holds this image's features already (sessions share an image's
+        features and prefix within a shard only), if any."""
+        if image is None or not self.shards[0].config.share_prefixes:
+            return None
+        key = self.shards[0].image_key(image)
+        return next((i for i, e in enumerate(self.shards) if e.memory.holds_image(key)), None)
+
+    def _place(self, holder: int | None = None) -> int:
         """The ready shard (else any serving one: failing is not stopped) with the most free
         device memory, counting each open in flight as the bytes an open came to hold,
         whether or not it has taken its blocks yet (so simultaneous opens spread); ties: the
-        fewest requests in flight, then the lowest index. Caller holds the lock."""
+        fewest requests in flight, then the lowest index. ``holder``, the shard that holds the
+        image already, comes first while it is ready and has room for an open. Caller holds
+        the lock."""
         ready = [i for i in range(len(self.shards)) if self._ready(i)]
         ready = ready or [i for i, e in enumerate(self.shards) if e.loop.alive]
         if not ready:
@@ -255,13 +266,14 @@ class ShardedEngine:
 
         opening = Counter(self._opening.values())
 
-        def key(i: int) -> tuple[int, int, int]:
+        def free(i: int) -> int:
             memory = self.shards[i].memory
-            free = memory.pool.free_blocks * memory.pool.bytes_per_block
-            free += memory.opening_bytes() - opening[i] * self._open_bytes
-            return (-free, self._in_flight[i], i)
+            room = memory.pool.free_blocks * memory.pool.bytes_per_block
+            return room + memory.opening_bytes() - opening[i] * self._open_bytes
 
-        return min(ready, key=key)
+        if holder in ready and free(holder) >= self._open_bytes:
+            return holder
+        return min(ready, key=lambda i: (-free(i), self._in_flight[i], i))
 
     @contextmanager
     def _running(self, index: int):

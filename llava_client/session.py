@@ -82,19 +82,26 @@ class LlavaClient:
         self.max_retry_wait_s = max_retry_wait_s
         self.busy_retried = 0  # calls sent again after a 503 with Retry-After, in all
 
-    def open(self, image: Any = None, session_id: str | None = None) -> Session:
+    def open(
+        self, image: Any = None, session_id: str | None = None, system: str | None = None
+    ) -> Session:
         """Open a session on ``image`` (URL, ``s3://`` URI, bytes, file path, PIL image, None).
 
         ``session_id``: your own id for it (SageMaker's pattern, at most 256 characters); the
         server refuses one that is live or was used recently. By default the server picks one.
+        ``system``: the session's system prompt (by default the server's ``system_prompt``).
         """
         source = image_source(image)
-        return Session(self, *self._open(source, session_id), source)
+        return Session(self, *self._open(source, session_id, system), source, system)
 
-    def _open(self, source: dict | None, session_id: str | None = None) -> tuple[str, str]:
+    def _open(
+        self, source: dict | None, session_id: str | None = None, system: str | None = None
+    ) -> tuple[str, str]:
         body = {"requestType": NEW_SESSION} | ({"image": source} if source else {})
         if session_id is not None:
             body["extSessionID"] = session_id
+        if system is not None:
+            body["system"] = system
         reply = self._invoke(body, NEW_SESSION)
         announced = reply.get("NewSessionId")
         if not announced:
@@ -155,7 +162,14 @@ class LlavaClient:
 class Session:
     """A conversation about one image; not thread-safe (its turns are sequential anyway)."""
 
-    def __init__(self, client: LlavaClient, session_id: str, expires_at: str, image: dict | None):
+    def __init__(
+        self,
+        client: LlavaClient,
+        session_id: str,
+        expires_at: str,
+        image: dict | None,
+        system: str | None = None,
+    ):
         self.client = client
         self.id = session_id
         self.expires_at = expires_at
@@ -163,7 +177,7 @@ class Session:
         self.recoveries = 0
         self.replay_mismatches = 0
         self.closed = False
-        self._image = image  # kept to re-open on recovery
+        self._image, self._system = image, system  # kept to re-open on recovery
 
     def ask(self, question: str, **parameters) -> Answer:
         """Ask and wait for the whole answer (``parameters``: max_new_tokens, temperature...)."""
@@ -228,7 +242,7 @@ class Session:
             return call()
 
     def _reopen(self) -> None:
-        self.id, self.expires_at = self.client._open(self._image)
+        self.id, self.expires_at = self.client._open(self._image, system=self._system)
         replayed = []
         for turn in self.history:
             answer = self._ask_once(turn.question, turn.parameters)

@@ -37,6 +37,9 @@ COUNTERS = {
         "SessionsEvicted",
         "TurnNewTokens",
         "TurnCachedTokens",
+        "PrefixHits",  # opens and recomputes that started on blocks other sessions computed
+        "PrefixCachedTokens",
+        "ImageFeatureHits",  # opens on an image whose features were held: no vision tower
         "AttentionFallbacks",  # the worker degraded: flex attention failed, sdpa serves
         "GraphCaptureFailures",  # decode graph buckets left eager
     )

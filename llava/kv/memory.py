@@ -235,19 +235,20 @@ class MemoryManager:
             self._store_features(holding, features)
         return holding
 
+    def holds_image(self, image_key: bytes) -> bool:
+        """Whether the features of the image with this content key are in the pool."""
+        with self._lock:
+            return self._held_features(image_key) is not None
+
     def share_features(self, holding: Holding) -> bool:
         """Give a holding without features those of its image, if the pool holds them
         (referenced or reclaimable): True if it now has them, nothing computed or copied."""
         key = holding.image_key
         with self._lock:
-            shape = self._feature_shapes.get(key) if key is not None else None
-            if shape is None or holding.feature_blocks:
+            blocks = None if key is None or holding.feature_blocks else self._held_features(key)
+            if blocks is None:
                 return False
-            count = blocks_for(shape[0] * shape[1], self.pool.block_numel)
-            blocks = self.pool.match(feature_keys(key, count))
-            if len(blocks) < count:  # some were reclaimed: the rest go the same way
-                del self._feature_shapes[key]
-                return False
+            shape = self._feature_shapes[key]
             self._feature_blocks += sum(self.pool.refs(b) == 0 for b in blocks)
             self.pool.share(blocks)
             self._feature_shapes.move_to_end(key)
@@ -486,6 +487,18 @@ class MemoryManager:
                 _require(key == holding.block_keys[index], f"block {block} has another's key")
 
     # -- internals (the caller holds self._lock) -------------------------------------------
+    def _held_features(self, image_key: bytes) -> list[int] | None:
+        """The blocks of an image's features, if all are still in the pool."""
+        shape = self._feature_shapes.get(image_key)
+        if shape is None:
+            return None
+        count = blocks_for(shape[0] * shape[1], self.pool.block_numel)
+        blocks = self.pool.match(feature_keys(image_key, count))
+        if len(blocks) < count:  # some were reclaimed: the rest go the same way
+            del self._feature_shapes[image_key]
+            return None
+        return blocks
+
     def _never_fits(
         self, holding: Holding, new_kv: SessionKV | None, needed: int, total: int
     ) -> NoCapacity | None:

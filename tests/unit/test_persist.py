@@ -178,7 +178,8 @@ def test_a_session_that_expired_or_found_no_room_meanwhile_is_told_why(
     """What a restarted worker cannot adopt is answered as expired or evicted (not as an id
     never seen), and closing it is the idempotent close."""
     first = new_engine(demo_model, tmp_path)
-    held = [first.open(image).session_id for image in (sample.image, one_pixel_changed(sample.image))]
+    images = (sample.image, one_pixel_changed(sample.image))
+    held = [first.open(image).session_id for image in images]
     first.stop()
     SessionJournal(tmp_path, 1 << 20, first.journal.model).save(
         snapshot("idle", last_used=time.time() - 120, ttl_s=60)  # expired while down

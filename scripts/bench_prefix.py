@@ -1,0 +1,167 @@
+"""Shared prompt prefixes: what a session gains when another one already computed its start.
+
+1. Open latency under one system prompt: a cold open (an image no session has seen), the same
+   with ``share_prefixes`` off, and a held open (a second session on the image of a session
+   still open: its features and the full KV blocks of its opening are reused, the vision
+   tower skipped). Target: held at least 10x faster than cold.
+2. Device bytes held by 32 sessions on one image against 32 sessions on 32 images, each
+   having asked one short question, everything on the device. Target: ratio at most 0.4.
+3. Guard: one 10-turn session alone, its mean turn time with sharing on and off (on must be
+   no slower when there is nothing to share).
+
+Runs on the untrained "realistic-shape" model (576 image tokens), built into build/ if missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.kv.memory import MemoryBudget, Tier
+from llava.model.loading import load_model
+from scripts.bench_turns import QUESTIONS, ensure_model
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+SYSTEM = (
+    "You are the visual assistant of an online marketplace's support desk. Describe only what "
+    "is visible in the customer's photo; never guess a brand, a price or a person's identity. "
+    "Answer in at most three short sentences, in plain language, without markdown. If the "
+    "photo is too dark, blurred or cropped to answer, say so and ask for another one. Decline "
+    "politely anything unrelated to the item shown."
+)
+
+
+def noise_images(n: int, seed: int, side: int = 336) -> list[Image.Image]:
+    """``n`` distinct random-noise images, ``side`` x ``side`` (no two share a content key)."""
+    rng = random.Random(seed)
+    return [Image.frombytes("RGB", (side, side), rng.randbytes(side * side * 3)) for _ in range(n)]
+
+
+def new_engine(loaded, model_dir: Path, share: bool) -> Engine:
+    config = EngineConfig(str(model_dir), system_prompt=SYSTEM, share_prefixes=share)
+    engine = Engine(loaded, config, MemoryBudget(2 << 30))
+    engine.warm_up()
+    engine.close(engine.open(noise_images(1, seed=0)[0]).session_id)  # a first open, uncounted
+    return engine
+
+
+def timed_open(engine: Engine, image) -> tuple[float, object]:
+    start = time.perf_counter()
+    opened = engine.open(image)
+    return time.perf_counter() - start, opened
+
+
+def open_table(shared: Engine, unshared: Engine, runs: int) -> None:
+    """Per run: a cold open on a new image, a held open on the same image while the first is
+    open, and a cold open on another new image with sharing off; medians over ``runs``."""
+    rows = {"cold": [], "held": [], "cold, sharing off": []}
+    for image, other in zip(*(noise_images(runs, seed) for seed in (1, 2)), strict=True):
+        opens = {
+            "cold": (shared, image),
+            "held": (shared, image),  # the cold one still open
+            "cold, sharing off": (unshared, other),
+        }
+        for name, (engine, picture) in opens.items():
+            rows[name].append(timed_open(engine, picture))
+        for name, (engine, _) in opens.items():
+            engine.close(rows[name][-1][1].session_id)
+    cold_s = statistics.median(s for s, _ in rows["cold"])
+    print(f"\n1. open latency, system prompt of {len(SYSTEM)} characters (median of {runs})\n")
+    print("| open | seconds | prefill_tokens | cached_tokens | speed-up vs cold |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, seen in rows.items():
+        seconds = statistics.median(s for s, _ in seen)
+        opened = seen[-1][1]
+        print(
+            f"| {name} | {seconds:.3f} | {opened.prefill_tokens} | {opened.cached_tokens} | "
+            f"{cold_s / seconds:.1f}x |"
+        )
+
+
+def held_bytes(engine: Engine, images) -> int:
+    """Open a session per image, ask each one short question; the device bytes they hold."""
+    ids = [engine.open(image).session_id for image in images]
+    for session_id in ids:
+        engine.ask(session_id, QUESTIONS[0], {"max_new_tokens": 8})
+    stats = engine.stats()
+    assert stats.sessions_by_tier[Tier.KV] == len(ids), stats.sessions_by_tier  # all on device
+    pool = engine.memory.pool
+    handed_out = (pool.total_blocks - pool.free_blocks) * pool.bytes_per_block
+    for session_id in ids:
+        engine.close(session_id)
+    return handed_out
+
+
+def bytes_table(loaded, model_dir: Path, sessions: int) -> None:
+    image = noise_images(1, seed=3)[0]
+    held = {}
+    for name, images in (
+        ("one image", [image] * sessions),
+        (f"{sessions} images", noise_images(sessions, seed=4)),
+    ):
+        engine = new_engine(loaded, model_dir, share=True)  # fresh: no blocks left from before
+        held[name] = held_bytes(engine, images)
+        engine.stop()
+    one, many = held.values()
+    print(f"\n2. device bytes of {sessions} sessions after one 8-token answer each\n")
+    print("| sessions on | device MiB | MiB per session | vs distinct images |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, size in held.items():
+        print(f"| {name} | {size / MiB:.1f} | {size / sessions / MiB:.2f} | {size / many:.3f} |")
+
+
+def turn_table(loaded, model_dir: Path, turns: int) -> None:
+    """One session per engine, their turns interleaved so drift on the machine hits both."""
+    engines = {on: new_engine(loaded, model_dir, share=on) for on in (True, False)}
+    image = noise_images(1, seed=5)[0]
+    ids = {on: engine.open(image).session_id for on, engine in engines.items()}
+    params = {"max_new_tokens": 8, "min_new_tokens": 8}
+    seconds = {True: [], False: []}
+    for turn in range(turns):
+        for on, engine in engines.items():
+            answer = engine.ask(ids[on], QUESTIONS[turn % len(QUESTIONS)], params)
+            seconds[on].append(answer.total_s)
+    for engine in engines.values():
+        engine.stop()
+    on, off = (statistics.mean(seconds[flag]) for flag in (True, False))
+    print(f"\n3. guard: one session alone, {turns} turns of 8 new tokens\n")
+    print("| share_prefixes | mean turn s | on / off |")
+    print("| --- | ---: | ---: |")
+    print(f"| on | {on:.3f} | {on / off:.3f} |")
+    print(f"| off | {off:.3f} | 1.000 |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=REPO / "build" / "realistic-llava")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=10)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    ensure_model(args.model_dir)
+    loaded = load_model(str(args.model_dir))
+    params = sum(p.numel() for p in loaded.model.parameters())
+    print(
+        f"model {args.model_dir.name}: {params / 1e6:.1f} M parameters, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, {loaded.device}"
+    )
+    shared, unshared = (new_engine(loaded, args.model_dir, share=on) for on in (True, False))
+    open_table(shared, unshared, args.runs)
+    shared.stop()
+    unshared.stop()
+    bytes_table(loaded, args.model_dir, args.sessions)
+    turn_table(loaded, args.model_dir, args.turns)
+
+
+if __name__ == "__main__":
+    main()
