@@ -19,9 +19,10 @@ from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGenerati
 
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava.errors import InvalidRequest
 from llava.kv.memory import MemoryBudget
 from llava.model.loading import load_model
-from llava.model.prompt import ChatPrompt, assistant_message, user_message
+from llava.model.prompt import ChatPrompt, assistant_message, system_message, user_message
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "llava-1.5-7b-hf"
 IMAGE_PX = 56  # 4 x 4 patches of 14 px
@@ -72,11 +73,14 @@ def image():
     return Image.new("RGB", (80, 50), (200, 40, 90))
 
 
-def conversation(turns: list[tuple[str, str]], question: str, image) -> list[dict]:
+def conversation(
+    turns: list[tuple[str, str]], question: str, image, system: str | None = None
+) -> list[dict]:
     """The chat so far as HF's pipeline takes it: the image object inside the first message."""
-    messages = []
+    messages = [system_message(system)] if system else []
     for asked, answered in [*turns, (question, None)]:
-        message = user_message(asked.strip(), with_image=image is not None and not messages)
+        first = not any(m["role"] == "user" for m in messages)
+        message = user_message(asked.strip(), with_image=image is not None and first)
         if message["content"][0]["type"] == "image":
             message["content"][0]["image"] = image
         messages.append(message)
@@ -131,6 +135,48 @@ def test_image_session_prompt_expands_the_image_like_the_processor(engine, image
 
 
 SPECIAL_QUESTIONS = ["What is <image> here?", "End </s> now", "<pad><pad>", "<s> <unk> hi"]
+SYSTEM = "You are a careful assistant. Describe only what the image shows."
+
+
+@pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
+def test_a_system_prompt_is_rendered_as_the_checkpoints_template_renders_it(
+    engine, image, with_image
+):
+    img = image if with_image else None
+    opened = engine.open(img, system=SYSTEM)
+    turns: list[tuple[str, str]] = []
+    for question in QUESTIONS[:3]:
+        answer = engine.ask(opened.session_id, question, {"max_new_tokens": MAX_NEW})
+        inputs = hf_inputs(engine.loaded, conversation(turns, question, img, SYSTEM))
+        assert last_prompt(engine, opened.session_id, answer) == inputs["input_ids"][0].tolist()
+        assert list(answer.token_ids) == hf_generate(engine, inputs), question
+        turns.append((question, answer.text))
+
+
+def test_the_system_prompt_setting_is_every_sessions_default(loaded, image):
+    config = EngineConfig(model_dir="-", system_prompt=SYSTEM)
+    engine = Engine(loaded, config, MemoryBudget(1 << 30))
+    for system, expected in ((None, SYSTEM), ("", None)):
+        session_id = engine.open(image, system=system).session_id
+        answer = engine.ask(session_id, QUESTIONS[0], {"max_new_tokens": MAX_NEW})
+        inputs = hf_inputs(engine.loaded, conversation([], QUESTIONS[0], image, expected))
+        assert last_prompt(engine, session_id, answer) == inputs["input_ids"][0].tolist()
+
+
+def test_a_system_prompt_with_control_token_text_is_plain_text(engine, image):
+    opened = engine.open(image, system="Ignore <image> and </s> <s> markers.")
+    prompt = engine.store.session(opened.session_id).token_ids
+    image_id = engine.loaded.model.config.image_token_id
+    specials = set(engine.loaded.tokenizer.all_special_ids)
+    assert prompt.count(image_id) == opened.image_tokens  # the image's own, no more
+    assert [i for i in prompt if i in specials and i != image_id] == prompt[:1]  # BOS only
+
+
+@pytest.mark.parametrize("system", [42, ["a"], "x" * 8001], ids=["number", "list", "too-long"])
+def test_a_bad_system_prompt_is_refused_before_any_work(engine, image, system):
+    with pytest.raises(InvalidRequest, match="system"):
+        engine.open(image, system=system)
+    assert len(engine.store) == 0
 
 
 def test_special_token_strings_in_questions_are_plain_text(engine, image):

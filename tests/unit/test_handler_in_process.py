@@ -142,3 +142,27 @@ def test_usage_tier_says_where_the_turn_found_the_sessions_memory(demo_model):
         assert (memory.moved_to_host, memory.demoted, memory.restored) == (2, 1, 1)
     finally:
         worker.stop()
+
+
+def test_an_open_on_a_held_image_says_what_it_reused_and_runs_no_vision_tower(worker):
+    b64 = base64.b64encode(image_bytes(held_out_samples(1)[0].image)).decode()
+    body = {"requestType": "NEW_SESSION", "image": {"b64": b64}, "system": "Be brief."}
+    first = worker.invoke(body).json()
+    assert first["usage"] == {"newTokens": first["prefillTokens"], "cachedTokens": 0}
+    vision_runs = []
+    tower = worker.service.engine.shards[0].loaded.model.model.vision_tower
+    hook = tower.register_forward_hook(lambda *_: vision_runs.append(1))
+    try:
+        second = worker.invoke(body).json()
+    finally:
+        hook.remove()
+    usage = second["usage"]
+    assert usage["cachedTokens"] > 0 and vision_runs == []
+    assert usage["newTokens"] + usage["cachedTokens"] == first["prefillTokens"]
+
+
+@pytest.mark.parametrize("system", [7, "x" * 8001], ids=["not-a-string", "too-long"])
+def test_a_bad_system_prompt_is_a_400_naming_it(worker, system):
+    reply = worker.invoke({"requestType": "NEW_SESSION", "system": system})
+    assert reply.status == 400 and "system" in reply.json()["error"]["message"]
+    assert open_session(worker)  # the worker serves on

@@ -47,6 +47,11 @@ def test_open_with_or_without_the_new_session_header(headers):
     assert request == OpenSession(image=None)
 
 
+def test_open_carries_the_sessions_system_prompt_to_the_engine():
+    request = parse_request({"requestType": "NEW_SESSION", "system": "Be brief."}, {})
+    assert request == OpenSession(image=None, system="Be brief.")
+
+
 def test_open_keeps_a_well_formed_image_source():
     source = {"url": "https://example.com/cat.png"}
     request = parse_request(json.dumps({"requestType": "NEW_SESSION", "image": source}), {})

@@ -38,6 +38,8 @@ def sharded(clock):
         session_budget_bytes=300 * BLOCK,
         host_budget_bytes=HOST_BUDGET,
         session_ttl_s=60,
+        # these tests reuse images and count bytes: every open computes and holds its own
+        share_prefixes=False,
     )
     engine = ShardedEngine.from_config(config, clock=clock)
     yield engine
@@ -78,6 +80,19 @@ def test_opens_go_to_the_shard_with_the_most_free_memory(sharded, images):
         assert sharded.shard_of(ids[0]) == 0
     finally:
         close_all(sharded, ids)
+
+
+def test_an_open_goes_to_the_shard_that_holds_its_image_while_it_has_room(images):
+    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cpu,cpu")
+    sharded = ShardedEngine.from_config(config)
+    try:
+        first = sharded.open(images[0]).session_id
+        holder = sharded.shard_of(first)  # now the fuller shard
+        again = sharded.open(images[0])
+        assert sharded.shard_of(again.session_id) == holder and again.cached_tokens > 0
+        assert sharded.shard_of(sharded.open(images[1]).session_id) != holder  # the emptier
+    finally:
+        sharded.stop()
 
 
 def test_placement_counts_an_open_in_flight_as_what_an_open_holds(sharded, images):

@@ -1,0 +1,173 @@
+"""Shared prefixes on the demo model: sessions on one image and system prompt reuse what
+another computed, and answer token for token as an engine that shares nothing; an image with
+one pixel changed never shares the image's KV (docs/engine/memory.md §Shared prefixes)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from demo_model.synthetic import held_out_samples
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.kv.memory import MemoryBudget, Tier
+from tests.memory_helpers import one_pixel_changed
+
+SYSTEM = "You answer about one picture. Name its color first, then its shape, in one word each."
+QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
+MAX_NEW = {"max_new_tokens": 6}
+
+
+def new_engine(demo_model, share: bool = True, budget: int = 1 << 30, **settings) -> Engine:
+    config = EngineConfig(
+        model_dir="-", share_prefixes=share, check_memory_when_idle=True, **settings
+    )
+    return Engine(demo_model, config, MemoryBudget(budget))
+
+
+@pytest.fixture(scope="module")
+def unshared(demo_model):
+    return new_engine(demo_model, share=False)
+
+
+def conversation(engine: Engine, session_id: str) -> list[tuple[int, ...]]:
+    return [engine.ask(session_id, q, MAX_NEW).token_ids for q in QUESTIONS]
+
+
+def reference(unshared: Engine, image, system: str | None = SYSTEM) -> list[tuple[int, ...]]:
+    """What an engine that shares nothing answers in a new session on ``image``."""
+    session_id = unshared.open(image, system=system).session_id
+    try:
+        return conversation(unshared, session_id)
+    finally:
+        unshared.close(session_id)
+
+
+def first_image_token(engine: Engine, system: str | None = SYSTEM) -> int:
+    ids = engine.loaded.prompt.opening_ids(True, 4, system)
+    return ids.index(engine.loaded.model.config.image_token_id)
+
+
+def test_sessions_on_a_held_prefix_compute_only_what_differs_and_answer_alike(demo_model, unshared):
+    engine = new_engine(demo_model)
+    image = held_out_samples(1, seed=20_031)[0].image
+    first = engine.open(image, system=SYSTEM)
+    assert first.cached_tokens == 0
+    opened = [engine.open(image, system=SYSTEM) for _ in range(2)]
+    block = engine.memory.pool.block_tokens
+    opening = first.prefill_tokens
+    for later in opened:
+        assert later.cached_tokens == opening // block * block  # every full block
+        assert later.prefill_tokens == opening - later.cached_tokens
+    counters = engine.memory.stats().counters
+    assert (counters.prefix_hits, counters.feature_hits) == (2, 2)  # no vision tower either
+    expected = reference(unshared, image)
+    for session_id in [first.session_id, *(o.session_id for o in opened)]:
+        assert conversation(engine, session_id) == expected
+    features = engine.stats().bytes_by_tier[Tier.FEATURES]
+    assert features == len(engine.store.session(first.session_id).holding.feature_blocks) * (
+        engine.memory.pool.bytes_per_block
+    )  # held once for three sessions
+
+
+def test_an_image_with_one_pixel_changed_never_shares_the_images_kv(demo_model, unshared):
+    engine = new_engine(demo_model)
+    image = held_out_samples(1, seed=20_032)[0].image
+    changed = one_pixel_changed(image)
+    engine.open(image, system=SYSTEM)
+    other = engine.open(changed, system=SYSTEM)
+    block = engine.memory.pool.block_tokens
+    assert other.cached_tokens == first_image_token(engine) // block * block  # the system only
+    assert engine.memory.stats().counters.feature_hits == 0
+    assert conversation(engine, other.session_id) == reference(unshared, changed)
+
+
+def test_many_near_identical_images_opened_at_once_each_get_their_own(demo_model, unshared):
+    engine = new_engine(demo_model)
+    base = held_out_samples(1, seed=20_033)[0].image
+    variants = [base]
+    for _ in range(3):
+        variants.append(one_pixel_changed(variants[-1]))
+    images = [variants[i % 4] for i in range(12)]  # each variant three times
+    with ThreadPoolExecutor(6) as pool:
+        opened = list(pool.map(lambda im: engine.open(im, system=SYSTEM), images))
+        answers = list(pool.map(lambda o: conversation(engine, o.session_id), opened))
+    expected = [reference(unshared, image) for image in variants]
+    assert answers == [expected[i % 4] for i in range(12)]
+    assert (
+        len({tuple(engine.store.session(o.session_id).holding.feature_blocks) for o in opened}) == 4
+    )
+    engine.check_integrity()
+
+
+def test_a_session_whose_prefix_owner_closed_keeps_answering_and_its_blocks_stay_reusable(
+    demo_model, unshared
+):
+    engine = new_engine(demo_model)
+    image = held_out_samples(1, seed=20_034)[0].image
+    owner = engine.open(image, system=SYSTEM).session_id
+    sharer = engine.open(image, system=SYSTEM).session_id
+    engine.close(owner)
+    assert conversation(engine, sharer) == reference(unshared, image)
+    engine.close(sharer)
+    assert engine.memory.pool.free_blocks == engine.memory.pool.total_blocks
+    again = engine.open(image, system=SYSTEM)  # recently freed: still there
+    assert again.cached_tokens > 0
+    assert conversation(engine, again.session_id) == reference(unshared, image)
+
+
+def test_a_system_prompt_is_shared_across_images_and_not_across_system_prompts(demo_model):
+    engine = new_engine(demo_model)
+    long_system = SYSTEM * 3  # several blocks before the image
+    a, b = held_out_samples(2, seed=20_035)
+    engine.open(a.image, system=long_system)
+    across_images = engine.open(b.image, system=long_system)
+    block = engine.memory.pool.block_tokens
+    before_image = first_image_token(engine, long_system) // block * block
+    assert across_images.cached_tokens == before_image > 0
+    assert engine.open(a.image, system="Answer in one word.").cached_tokens == 0
+
+
+def test_sharing_off_computes_every_open(demo_model):
+    engine = new_engine(demo_model, share=False)
+    image = held_out_samples(1, seed=20_036)[0].image
+    opened = [engine.open(image, system=SYSTEM) for _ in range(2)]
+    assert [o.cached_tokens for o in opened] == [0, 0]
+    assert opened[0].prefill_tokens == opened[1].prefill_tokens
+    counters = engine.memory.stats().counters
+    assert (counters.prefix_hits, counters.feature_hits) == (0, 0)
+
+
+def test_shared_sessions_under_memory_pressure_answer_alike(demo_model, unshared):
+    """A device budget for about three sessions, eight sessions on two images: they move
+    down and come back on whatever is still shared; every answer is the unshared one."""
+    probe = new_engine(demo_model)
+    probe.open(held_out_samples(1, seed=20_037)[0].image, system=SYSTEM)
+    one_session = probe.stats().total_bytes
+    engine = new_engine(demo_model, budget=3 * one_session)
+    images = [s.image for s in held_out_samples(2, seed=20_038)]
+    session_ids = [engine.open(images[i % 2], system=SYSTEM).session_id for i in range(8)]
+    expected = [reference(unshared, image) for image in images]
+    for i, session_id in enumerate(session_ids):
+        assert conversation(engine, session_id) == expected[i % 2]
+    counters = engine.memory.stats().counters
+    assert counters.demoted + counters.evicted > 0  # the budget was felt
+    engine.check_integrity()
+
+
+def test_sessions_share_again_after_a_worker_restart(demo_model, unshared, tmp_path):
+    def started() -> Engine:
+        return new_engine(demo_model, persist_dir=str(tmp_path))
+
+    image = held_out_samples(1, seed=20_039)[0].image
+    before = started()
+    session_ids = [before.open(image, system=SYSTEM).session_id for _ in range(3)]
+    before.stop()
+    after = started()
+    assert after.adopted == 3
+    assert after.memory.stats().counters.feature_hits == 2  # the image's features held once
+    expected = reference(unshared, image)
+    answers = [conversation(after, session_id) for session_id in session_ids]
+    assert answers == [expected] * 3
+    assert after.memory.stats().counters.prefix_hits >= 2  # the first recompute was shared
