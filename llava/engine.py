@@ -9,6 +9,7 @@ It raises only ``llava.errors`` types, so a transport can map every failure to a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -224,8 +225,12 @@ class Engine:
             self.store.check_id_free(session_id)
         pixels = key = None
         if image is not None:
-            pixels = self._pixels(image)
             key = self.image_key(image) if self.config.share_prefixes else None
+            if key is not None and self.memory.holds_image(key):
+                # no vision tower to feed, unless its features go before the loop admits it
+                pixels = functools.partial(self._pixels, image)
+            else:
+                pixels = self._pixels(image)
         request = OpenRequest(
             self.context, self.config.turn_deadline_s, pixels, session_id, key, system
         )

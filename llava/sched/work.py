@@ -194,7 +194,10 @@ class _Request:
 
 class OpenRequest(_Request):
     """The vision tower once (not at all when the image's features are held), then the
-    opening's prefill past the blocks other sessions computed for it; the session starts hot."""
+    opening's prefill past the blocks other sessions computed for it; the session starts hot.
+    When those blocks cover all but the opening's last partial block, nothing is computed:
+    that tail is prefilled with the first question, in the step that question takes anyway
+    (docs/engine/memory.md §Shared prefixes)."""
 
     prefilling = True
 
@@ -202,12 +205,14 @@ class OpenRequest(_Request):
         self,
         context: RequestContext,
         deadline_s: float,
-        pixels: torch.Tensor | None,
+        pixels: torch.Tensor | Callable[[], torch.Tensor] | None,
         session_id: str | None,
         image_key: bytes | None = None,
         system: str = "",
     ):
         super().__init__(context, deadline_s)
+        # the image's pixels, or how to make them when the caller found its features held
+        # (then made here only if the features went meanwhile); None: a text-only session
         self.pixels = pixels
         self.session_id = session_id
         self.image_key = image_key  # None: the image's features and prefix are not shared
@@ -228,19 +233,23 @@ class OpenRequest(_Request):
             memory.release(holding)
             return shortfall
         self.holding = holding
-        cached = holding.kv.length
+        self.cached = cached = holding.kv.length
+        tail = self.ids[cached:]
+        if cached and len(tail) < memory.pool.block_tokens:
+            tail = []  # deferred to the first question's prefill (the history holds it)
         images_fed = self.ids[:cached].count(context.image_token_id)
         features = None
-        if images_fed < holding.image_tokens:  # the prefill feeds image tokens
+        if tail and images_fed < holding.image_tokens:  # the prefill feeds image tokens
             features = self.features if self.features is not None else memory.features(holding)
-        self.feed = Feed(holding, self.ids[cached:], features, context.image_token_id, images_fed)
+        self.feed = Feed(holding, tail, features, context.image_token_id, images_fed)
         return None
 
     def _reserve(self, holding: Holding) -> Shortfall | None:
         context, memory = self.context, self.context.memory
         shared = self.pixels is not None and memory.share_features(holding)
         if self.pixels is not None and not shared and self.features is None:
-            self.features = context.encode_image(self.pixels)  # kept if a shortfall waits
+            pixels = self.pixels() if callable(self.pixels) else self.pixels
+            self.features = context.encode_image(pixels)  # kept if a shortfall waits
         if self.features is not None and not shared:
             image_tokens = self.features.shape[0]
         else:
@@ -263,16 +272,16 @@ class OpenRequest(_Request):
         with session.lock:  # persisted before anyone else can use it
             store.add(session)
             self.holding = None  # the session owns it now
+            context.memory.crop(session.holding, session.kv.length)  # reserved, not written
             context.publish(session)
             context.persist(session, with_features=True)
-        cached = len(self.ids) - len(self.feed.ids)
         self.future.set_result(
             Opened(
                 session_id=session.session_id,
                 expires_at=store.expires_at(session),
                 prefill_tokens=len(self.feed.ids),
                 image_tokens=session.image_tokens,
-                cached_tokens=cached,
+                cached_tokens=self.cached,
             )
         )
 

@@ -43,13 +43,15 @@ class ScriptedContainer:
     def __init__(self):
         self.script: list[tuple[int, dict, dict]] = []
         self.calls = 0
+        self.bodies: list[dict] = []
         container = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                container.bodies.append(json.loads(body))
                 container.calls += 1
                 status, headers, body = container.script.pop(0)
                 data = json.dumps(body).encode()
@@ -157,3 +159,13 @@ def test_an_open_that_meets_a_restarting_instance_leaves_its_sessions_alone():
     finally:
         loopback.stop(endpoint)
         loopback.stop(live.httpd)
+
+
+def test_a_system_prompt_is_sent_at_open_and_again_when_the_session_is_reopened(container):
+    gone = (400, {}, {"error": {"code": "SESSION_EXPIRED", "message": "expired"}})
+    container.script = [OPENED, gone, OPENED, ANSWERED]
+    chat = client_for(container).open(system="Be brief.")
+    chat.ask("Hi")
+    opens = [b for b in container.bodies if b["requestType"] == "NEW_SESSION"]
+    assert [b.get("system") for b in opens] == ["Be brief.", "Be brief."]
+    assert chat.recoveries == 1
