@@ -76,7 +76,9 @@ demo: demo-mar
 # endpoint's hop, what the container's /ping front adds per turn, many sessions at once
 # (batched turns against one request at a time), then session memory across tiers (restore
 # from host against recompute, sessions per tier, accounted against actual bytes), and the
-# persistent tier (turn latency on/off, bytes per session, kill to the next answered turn).
+# persistent tier (turn latency on/off, bytes per session, kill to the next answered turn),
+# then shared prefixes (an open on a held image against a cold one, bytes of 32 sessions on
+# one image against 32 images, turn time with sharing on and off).
 bench: demo-mar
 	$(PY) -m scripts.bench_turns
 	$(PY) -m scripts.bench_handler
@@ -88,6 +90,7 @@ bench: demo-mar
 	$(PY) -m scripts.bench_concurrency
 	$(PY) -m scripts.bench_memory
 	$(PY) -m scripts.bench_persist
+	$(PY) -m scripts.bench_prefix
 
 # On a CUDA machine: preflight, the attention candidates, the engine's table on a
 # random-weight model of llava-1.5-7b's shape, the CUDA tests and two shards, each step

@@ -38,6 +38,15 @@ REPO = Path(__file__).resolve().parent.parent
 MiB, GiB = 1 << 20, 1 << 30
 FILLER = "What color is the shape? "  # 6 tokens of the realistic tokenizer
 QUESTION = "And its shape?"
+
+
+def unshared_config(**settings) -> EngineConfig:
+    """Every engine here shares nothing (share_prefixes off): a recompute computes the whole
+    history and each session holds its own image and prefix, as sessions on different images
+    do (what sharing saves: scripts/bench_prefix.py)."""
+    return EngineConfig("-", max_question_chars=100_000, share_prefixes=False, **settings)
+
+
 DEADLINE_S = 59.0  # the longest turn_deadline_s allowed (SageMaker's 60 s limit)
 
 
@@ -157,7 +166,7 @@ def measured_capacity(loaded, image, history: int, budget: MemoryBudget) -> dict
     """Open sessions of ``history`` tokens until the first eviction: the most sessions seen
     at each tier at once; under features only, every session held just before the eviction
     (the newest then still holds its device KV, so it is (device - one KV) / features)."""
-    engine = Engine(loaded, EngineConfig("-", max_question_chars=100_000), budget)
+    engine = Engine(loaded, unshared_config(), budget)
     most = dict.fromkeys(Tier, 0)
     try:
         while True:
@@ -181,7 +190,7 @@ def rss_bytes() -> int:
 
 def accounted_table(loaded, image, history: int, sessions: int) -> None:
     budget = MemoryBudget(device_bytes=2 * GiB, host_bytes=2 * GiB)
-    engine = Engine(loaded, EngineConfig("-", max_question_chars=100_000), budget)
+    engine = Engine(loaded, unshared_config(), budget)
     try:
         ids = [grown_session(engine, image, history) for _ in range(sessions)]
         pool = engine.memory.pool
@@ -225,7 +234,7 @@ def main() -> None:
     model_dir = long_context_model(args.model_dir, max(*args.histories, 2000) + 704)
     loaded = load_model(str(model_dir))
     budget = MemoryBudget(device_bytes=4 * GiB, host_bytes=4 * GiB)
-    config = EngineConfig("-", max_question_chars=100_000, turn_deadline_s=DEADLINE_S)
+    config = unshared_config(turn_deadline_s=DEADLINE_S)
     engine = Engine(loaded, config, budget)
     image = held_out_samples(1)[0].image
     engine.ask(grown_session(engine, image, 700), QUESTION)  # warm-up

@@ -238,11 +238,12 @@ def served_7b(plan: Plan, figures: Figures):
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     figures["weights_gib"] = round(weights / GiB, 2)
     figures["build_s"] = round(time.perf_counter() - start, 1)
+    # Nothing shared: the stateless and recompute baselines compute everything again.
     if plan.cuda:
-        config = EngineConfig(model_dir=str(FIXTURE))
+        config = EngineConfig(model_dir=str(FIXTURE), share_prefixes=False)
     else:
         config = EngineConfig(model_dir=str(FIXTURE), session_budget_bytes=256 * MiB,
-                              attention="flex")  # fmt: skip
+                              attention="flex", share_prefixes=False)  # fmt: skip
     budget = memory_budget(config, plan.device)
     engine = Engine(loaded, config, budget, max_batch=max(plan.sessions))
     figures["pool_gib"] = round(engine.memory.pool.allocated_bytes / GiB, 2)

@@ -329,8 +329,8 @@ class Runner:
                 start, stop = prefill.span
                 out[start:stop] = F.scaled_dot_product_attention(
                     q[start:stop].transpose(0, 1),
-                    keys[:, prefill.slots],
-                    values[:, prefill.slots],
+                    _read(keys, prefill.slots),
+                    _read(values, prefill.slots),
                     attn_mask=prefill.causal,
                     scale=attn.scaling,
                     enable_gqa=gqa,
@@ -348,6 +348,13 @@ def _paged(q, keys, values, mask, scale) -> torch.Tensor:
         raise
     except Exception as e:
         raise PagedAttentionFailed(f"paged flex_attention failed: {one_line(e)}") from e
+
+
+def _read(kv: torch.Tensor, slots) -> torch.Tensor:
+    """``kv[:, slots]`` of a sequence's slots (llava.exec.step_meta.Prefill.slots)."""
+    if isinstance(slots, tuple):
+        return torch.cat([kv[:, run] for run in slots], dim=1)
+    return kv[:, slots]
 
 
 def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

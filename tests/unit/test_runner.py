@@ -22,6 +22,7 @@ import llava.exec.runner
 from demo_model.evaluation import QUESTIONS
 from demo_model.synthetic import held_out_samples
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
+from llava.exec.step_meta import _slots
 from llava.kv.pool import KVPool
 from llava.model.prompt import ChatPrompt, user_message
 from llava.model.reference import prefill
@@ -168,15 +169,33 @@ def red_square() -> Image.Image:
 
 
 # -- equal to the model's forward ----------------------------------------------------------
-def fragment(pool: KVPool) -> None:
-    """Leave only every other block free: no two blocks a session takes are adjacent, so
-    the runner must gather its KV instead of reading it in place."""
+def fragment(pool: KVPool, run: int = 1) -> None:
+    """Leave free only runs of ``run`` blocks, each after a taken one: a session's blocks
+    come in runs of at most that many, so the runner joins (``run`` > 1) or gathers (1) its
+    KV instead of reading it in place."""
     holders = [pool.new_kv() for _ in range(pool.total_blocks)]
     for holder in holders:
         holder.reserve(pool.block_tokens)
-    for holder in holders[1::2]:
-        holder.free()
-    assert b"\x01\x01" not in pool._free_map  # no two free blocks are adjacent
+    for index, holder in enumerate(holders):
+        if index % (run + 1):
+            holder.free()
+    assert b"\x01" * (run + 1) not in pool._free_map
+
+
+@pytest.mark.parametrize(
+    ("table", "stop"),
+    [([3, 4, 5], 40), ([0, 1, 2, 7, 8], 70), ([0, 1, 2, 7, 8, 3], 90), ([5, 1, 9, 3, 7, 11], 90)],
+    ids=["adjacent", "two-runs", "three-runs", "scattered"],
+)
+def test_a_sequences_slots_are_its_block_tables_positions_however_they_are_read(table, stop):
+    slots = _slots(table, torch.tensor(table), stop, 16)
+    positions = torch.arange(stop)
+    expected = torch.tensor(table)[positions // 16] * 16 + positions % 16
+    if isinstance(slots, slice):
+        slots = torch.arange(slots.start, slots.stop)
+    elif isinstance(slots, tuple):
+        slots = torch.cat([torch.arange(run.start, run.stop) for run in slots])
+    assert torch.equal(slots, expected)
 
 
 # flex compiles for seconds on a CPU: the fast loop checks it in test_attention.py alone.
@@ -186,7 +205,7 @@ ATTENTION = pytest.mark.parametrize(
 
 
 @ATTENTION
-@pytest.mark.parametrize("blocks", ["adjacent", "fragmented"])
+@pytest.mark.parametrize("blocks", ["adjacent", "runs", "fragmented"])
 @pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
 def test_logits_equal_hf_forward_through_prefills_and_decode(
     subject, with_image, blocks, attention
@@ -196,8 +215,8 @@ def test_logits_equal_hf_forward_through_prefills_and_decode(
     expected = hf_record(subject.model, chunks, decode_steps=20)
     got: list[torch.Tensor] = []
     runner = Runner(subject.model, subject.pool(), attention=attention)
-    if blocks == "fragmented":
-        fragment(runner.pool)
+    if blocks != "adjacent":
+        fragment(runner.pool, run=3 if blocks == "runs" else 1)
     free = runner.pool.free_blocks
     drive(runner, [sequence(runner.pool, chunks, 20, got)], [0])
     assert_same_steps(got, expected)
