@@ -238,6 +238,7 @@ def test_streaming_errors_before_the_first_chunk_keep_their_status(server):
 def test_session_metrics_reach_the_metrics_endpoint(server, images):
     session_id = open_session(server, images["a"][0])
     ask(server, session_id, "What shape is it?")
+    open_session(server, images["a"][0])  # the image held: its features and prefix shared
     text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
     for name in (
         "SessionsOpen",
@@ -247,6 +248,9 @@ def test_session_metrics_reach_the_metrics_endpoint(server, images):
         "SessionsOpened",
         "TurnLatency",
         "MemoryBudgetBytes",
+        "PrefixHits",
+        "PrefixCachedTokens",
+        "ImageFeatureHits",
     ):
         assert name in text, name
     for tier in ("kv", "host", "features"):  # every tier is published, held or not
