@@ -189,7 +189,8 @@ class Engine:
         for entry in loaded.live:
             snapshot = entry.snapshot
             key = snapshot.image_key
-            holding = self.memory.hold_features(entry.features, key and bytes.fromhex(key))
+            shared = bytes.fromhex(key) if key and self.config.share_prefixes else None
+            holding = self.memory.hold_features(entry.features, shared)
             if holding is None:
                 self.store.refuse_entry(snapshot.session_id, EVICTED)
                 logger.warning(

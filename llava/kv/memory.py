@@ -385,7 +385,7 @@ class MemoryManager:
             kv = holding.kv
             if kv.length > length:
                 spare = kv.capacity - length
-                length = self.crop(holding, length)  # past every shared block: as asked
+                self.crop(holding, length)  # past every shared block: all of it is kept
                 kv.reserve(spare)  # the blocks the crop just gave back: it cannot fail
 
     def move_down(self, holding: Holding) -> Tier:

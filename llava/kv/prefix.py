@@ -82,14 +82,12 @@ class PrefixIndex:
     def is_unused(self, block: int) -> bool:
         return block in self._unused
 
-    def publish(self, block: int, key: bytes) -> bool:
-        """Index ``block`` (referenced, fully written) under ``key``; False if the key already
-        has a block (this one stays private) or the block has a key."""
-        if key in self._block_of or block in self._key_of:
-            return False
-        self._block_of[key] = block
-        self._key_of[block] = key
-        return True
+    def publish(self, block: int, key: bytes) -> None:
+        """Index ``block`` (referenced, fully written) under ``key``, unless the key already
+        has a block (this one then stays private) or the block has a key."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
 
     def used(self, block: int) -> None:
         """A published block is referenced again."""
