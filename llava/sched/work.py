@@ -72,6 +72,17 @@ class RequestContext:
         keys = self.prefix_keys(holding, session.token_ids[: holding.kv.length], holding.block_keys)
         self.memory.publish(holding, keys)
 
+    def feed(self, holding: Holding, held: list[int], pending: list[int], features=None) -> Feed:
+        """A feed of ``pending`` ids after the ``held`` ones its KV holds. The image features
+        leave their blocks only for a prefill that feeds image tokens (``features``: the
+        features at hand, if any)."""
+        images_fed = held.count(self.image_token_id)
+        if not pending or images_fed >= holding.image_tokens:
+            features = None
+        elif features is None:
+            features = self.memory.features(holding)
+        return Feed(holding, pending, features, self.image_token_id, images_fed)
+
     def persist(self, session: Session, with_features: bool = False) -> None:
         """Write the session's committed state (at open, ``with_features``: its image features
         too) to the persistent tier before its reply goes (docs/engine/sessions.md
@@ -237,11 +248,7 @@ class OpenRequest(_Request):
         tail = self.ids[cached:]
         if cached and len(tail) < memory.pool.block_tokens:
             tail = []  # deferred to the first question's prefill (the history holds it)
-        images_fed = self.ids[:cached].count(context.image_token_id)
-        features = None
-        if tail and images_fed < holding.image_tokens:  # the prefill feeds image tokens
-            features = self.features if self.features is not None else memory.features(holding)
-        self.feed = Feed(holding, tail, features, context.image_token_id, images_fed)
+        self.feed = context.feed(holding, self.ids[:cached], tail, self.features)
         return None
 
     def _reserve(self, holding: Holding) -> Shortfall | None:
@@ -350,13 +357,7 @@ class TurnRequest(_Request):
             store.end_turn(session)
             return shortfall
         self.session = session
-        reused = self.prompt[: self.reused]
-        images_fed = reused.count(context.image_token_id)
-        # the features leave their blocks only for a prefill that feeds image tokens
-        features = memory.features(holding) if images_fed < image_tokens else None
-        self.feed = Feed(
-            holding, self.prompt[self.reused :], features, context.image_token_id, images_fed
-        )
+        self.feed = context.feed(holding, self.prompt[: self.reused], self.prompt[self.reused :])
         return None
 
     def _reuse(self, holding: Holding, history: list[int]) -> int:
