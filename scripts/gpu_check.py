@@ -36,15 +36,15 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-# Seconds each step may take (GPU, CPU): about twice what an H200 took
-# (docs/testing.md §GPU check); together the GPU's fit a 10-minute call with the machine's start.
+# Seconds each step may take (GPU, CPU): 1.5 to 2.5 times what an H200 took
+# (docs/testing.md §GPU check); together the GPU's stay under a 10-minute call.
 BUDGETS = {
     "preflight": (60, 60),
     "attention": (60, 60),
-    "table": (180, 120),
-    "tests": (90, 60),
+    "table": (150, 120),
+    "tests": (100, 60),
     "shards": (60, 60),
-    "profile": (90, 90),
+    "profile": (150, 90),
 }
 DEFAULT_STEPS = tuple(BUDGETS)
 

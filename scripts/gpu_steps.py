@@ -371,8 +371,37 @@ def profile(plan: Plan, figures: Figures) -> None:
                     engine.close(session_id)
                 figures[f"sessions_{n}"] = {"wall_ms_per_step": round(plain * 1e3 / tokens, 2),
                                             **_where_time_went(run, wall, tokens)}  # fmt: skip
+            figures["prefill_turn"] = _profiled_prefill(engine, plan)
     finally:
         engine.stop()
+
+
+def _profiled_prefill(engine, plan: Plan) -> dict:
+    """A turn's prefill alone (one new token) on a session with some history, profiled as
+    the decode steps are: what the time to first token of a turn with the session's KV pays."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from demo_model.synthetic import held_out_samples
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if plan.cuda else [])
+    one_token = {"max_new_tokens": 1, "min_new_tokens": 1}
+    session = engine.open(held_out_samples(1, seed=83_000)[0].image).session_id
+    for question in QUESTIONS:  # history, and the prefill path warm
+        engine.ask(session, question, one_token)
+    start = time.perf_counter()
+    plain = engine.ask(session, QUESTIONS[0], one_token)
+    plain_s = time.perf_counter() - start
+    run = profiler(activities=activities)
+    engine.loop.call(run.__enter__)
+    start = time.perf_counter()
+    profiled = engine.ask(session, QUESTIONS[1], one_token)
+    sync(plan)
+    wall = time.perf_counter() - start
+    engine.loop.call(partial(run.__exit__, None, None, None))
+    engine.close(session)
+    return {"new_tokens": profiled.new_tokens, "ttft_ms": round(plain.ttft_s * 1e3, 2),
+            "turn_ms": round(plain_s * 1e3, 2), **_where_time_went(run, wall, 1)}  # fmt: skip
 
 
 def _where_time_went(run, wall_s: float, steps: int) -> dict:

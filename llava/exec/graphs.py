@@ -3,7 +3,7 @@ width, so one captured CUDA graph per bucket replays a whole step (every layer, 
 sampling) with one launch.
 
 Each bucket owns its input buffers; a step copies its rows into them and replays. Padding
-rows decode id 0 at position 0 of a scratch block that this object holds from the pool (so
+rows decode id 0 at position 0 of a scratch block the pool sets aside for these graphs (so
 their K/V writes land nowhere that matters) and their ids are dropped. Graphs are captured at
 start-up from the smallest bucket up while the memory they take fits ``budget_bytes``; what
 each took (allocator-reserved bytes) and the capture time are recorded. A bucket whose capture
@@ -98,12 +98,7 @@ class DecodeGraphs:
         self.reserved_bytes = 0  # allocator-reserved bytes the captured graphs added
         self.capture_s = 0.0
         self.failed: dict[int, str] = {}  # bucket → why its capture raised (it runs eagerly)
-        self._scratch = runner.pool.new_kv()
-        self._scratch.reserve(1)  # counted in the pool's accounting like any held block
-
-    @property
-    def scratch_block(self) -> int:
-        return self._scratch.blocks[0]
+        self.scratch_block = runner.pool.set_aside()
 
     def capture(self, max_batch: int, budget_bytes: int) -> list[int]:
         """Capture the buckets up to ``max_batch`` while their memory fits ``budget_bytes``;

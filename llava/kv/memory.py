@@ -449,7 +449,7 @@ class MemoryManager:
                 pool.check()
             except ValueError as e:
                 raise IntegrityError(str(e)) from None
-            references: dict[int, int] = {}
+            references = dict.fromkeys(pool.aside, 1)  # the runner's (KVPool.set_aside)
             sessions, host_bytes, features = {t: 0 for t in Tier}, 0, set()
             for holding in self._holdings:
                 _require(not holding.evicted, "an evicted holding is still held")

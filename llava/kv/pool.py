@@ -70,6 +70,7 @@ class KVPool:
         self._free_map = bytearray(b"\x01") * self.total_blocks  # 1: empty (no one, no key)
         self._free_count = self.total_blocks  # empty blocks
         self._refs = array("l", [0]) * self.total_blocks  # block tables that list block i
+        self.aside: list[int] = []  # blocks set aside for the runner (set_aside)
         self.index = PrefixIndex()  # published blocks; unreferenced ones are reclaimable
         self._never_used = bytearray(b"\x01") * self.total_blocks  # 1: still as allocated
 
@@ -108,6 +109,14 @@ class KVPool:
             at = self._free_map.rfind(1, 0, at)
             taken.append(at)
         return self._mark_taken(taken)
+
+    def set_aside(self) -> int:
+        """One block no session holds, for the runner's own writes (the padded rows of a
+        captured decode step); counted like a held block, and listed in ``aside`` so the
+        books know who holds it."""
+        block = self.allocate(1)[0]
+        self.aside.append(block)
+        return block
 
     def give_back(self, blocks: list[int]) -> None:
         """One reference fewer to each of ``blocks`` (from ``allocate``, ``share`` or a block

@@ -100,9 +100,13 @@ def batched_and_alone(engine_for, images) -> tuple[list, list]:
     return batched, alone
 
 
-def cuda_engine(dtype: str, **options) -> Engine:
+def cuda_engine(dtype: str, share_prefixes: bool = True, **options) -> Engine:
     config = EngineConfig(
-        model_dir=str(DEMO_MODEL_DIR), device="cuda", dtype=dtype, session_budget_bytes=POOL_BYTES
+        model_dir=str(DEMO_MODEL_DIR),
+        device="cuda",
+        dtype=dtype,
+        session_budget_bytes=POOL_BYTES,
+        share_prefixes=share_prefixes,
     )
     engine = Engine.from_config(config, **options)
     engine.warm_up()  # captures the decode graphs
@@ -128,3 +132,28 @@ def test_bf16_batched_answers_equal_each_alone():
     images = [s.image for s in held_out_samples(8, seed=36_000)]
     batched, alone = batched_and_alone(lambda **o: cuda_engine("bfloat16", **o), images)
     assert batched == alone
+
+
+def test_shared_prefix_blocks_on_cuda_answer_as_an_engine_that_shares_nothing():
+    """Sessions on one image and system prompt reference the same pool blocks; the paged
+    attention and the decode graphs read them where they lie (fp32: token-exact)."""
+    system = "You answer about one picture, in one word."
+    image = held_out_samples(1, seed=37_000)[0].image
+    answers = {share: four_sessions_on(image, system, share) for share in (False, True)}
+    assert answers[True] == answers[False]
+
+
+def four_sessions_on(image, system: str, share: bool) -> list[tuple[int, ...]]:
+    """Two turns of four sessions on one image, asked at once (the decode graphs' batches)."""
+    engine = cuda_engine("float32", share, max_batch=4)
+    ids = [engine.open(image, system=system).session_id for _ in range(4)]
+    assert engine.memory.stats().counters.prefix_hits == (3 if share else 0)
+
+    def two_turns(session_id: str) -> tuple[int, ...]:
+        first = engine.ask(session_id, "What color is the shape?", {"max_new_tokens": 6})
+        return first.token_ids + engine.ask(session_id, "And its shape?").token_ids
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(two_turns, ids))
+    engine.check_integrity()
+    return answers

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts.gpu_check import DEFAULT_STEPS
 
@@ -43,11 +44,13 @@ def test_every_step_runs_on_the_cpu_and_writes_its_line(tmp_path):
                 "ttft_turn10_stateless_over_kv", "recompute_over_restore"):  # fmt: skip
         assert table[key] > 0, key
     assert table["turn10_prefill_tokens"] > 576  # the image and nine turns, prefilled again
-    assert figures["tests"]["skipped"] >= 6  # the CUDA tests were collected, and skipped here
+    assert figures["tests"]["skipped"] >= 7  # the CUDA tests were collected, and skipped here
     assert figures["shards"]["sessions_by_shard"] == [2, 2]
     for sessions in ("sessions_1", "sessions_4"):  # where a decode step's time goes
         where = figures["profile"][sessions]
         assert where["wall_ms_per_step"] > 0 and where["top_host_ms_per_step"], where
+    prefill = figures["profile"]["prefill_turn"]  # where a turn's time to first token goes
+    assert prefill["new_tokens"] > 1 and prefill["ttft_ms"] > 0 and prefill["top_host_ms_per_step"]
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"== {step}: ok" in log for step in DEFAULT_STEPS)
 
@@ -64,3 +67,11 @@ def test_a_step_past_its_budget_is_cut_with_its_stacks_and_the_next_one_runs(tmp
     assert isinstance(cut["figures"], dict)  # whatever it had found before the cut
     assert after["step"] == "tests" and after["ok"]
     assert "failed: preflight" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: it would measure")
+def test_the_block_size_sweep_without_cuda_says_so_in_one_line():
+    command = [sys.executable, "-m", "scripts.gpu_block_sizes"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [done.stdout.strip()] and "no CUDA device" in done.stdout
