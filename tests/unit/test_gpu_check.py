@@ -70,8 +70,11 @@ def test_a_step_past_its_budget_is_cut_with_its_stacks_and_the_next_one_runs(tmp
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: it would measure")
-def test_the_block_size_sweep_without_cuda_says_so_in_one_line():
-    command = [sys.executable, "-m", "scripts.gpu_block_sizes"]
+@pytest.mark.parametrize(
+    "command", [["scripts.gpu_block_sizes"], ["scripts.gpu_compiled_decode", "eager", "out.json"]]
+)
+def test_a_gpu_experiment_without_cuda_says_so_in_one_line(command):
+    command = [sys.executable, "-m", *command]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [done.stdout.strip()] and "no CUDA device" in done.stdout
