@@ -31,6 +31,7 @@ _COUNTERS = {
     ("memory", "restored"): "SessionsRestoredFromHost",
     ("memory", "demoted"): "SessionsDemoted",
     ("memory", "evicted"): "SessionsEvicted",
+    ("memory", "parked"): "SessionsParked",
     ("memory", "prefix_hits"): "PrefixHits",
     ("memory", "prefix_tokens"): "PrefixCachedTokens",
     ("memory", "feature_hits"): "ImageFeatureHits",

@@ -68,6 +68,14 @@ class EngineConfig:
     host_budget_bytes: int | None = None
     persist_dir: str | None = None
     persist_max_bytes: int | None = None
+    # A persist_dir whose measured cap is under persist_min_bytes gives way to
+    # persist_fallback_dir (docs/engine/sessions.md §Persistent tier).
+    persist_min_bytes: int = 1 * GiB
+    persist_fallback_dir: str | None = None
+    # How long a turn short of device memory waits for running turns (their KV turns idle and
+    # movable as they end) before idle sessions are dropped or parked for it
+    # (docs/engine/memory.md §Memory policy).
+    wait_for_room_s: float = 0.25
     check_memory_when_idle: bool = False  # debug: the engine loop checks the books when idle
     default_max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
@@ -168,6 +176,15 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "persist_max_bytes": (
         lambda v: v is None or _positive_int(v),
         "null (half the directory's file system) or an integer > 0",
+    ),
+    "persist_min_bytes": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+    "persist_fallback_dir": (
+        lambda v: v is None or (isinstance(v, str) and os.path.isabs(v)),
+        "null (none) or an absolute directory path",
+    ),
+    "wait_for_room_s": (
+        lambda v: _number(v) and 0 <= v <= 10,
+        "a number of seconds from 0 to 10",
     ),
     "check_memory_when_idle": (lambda v: isinstance(v, bool), "true or false"),
     "default_max_new_tokens": (_positive_int, "an integer > 0"),

@@ -34,9 +34,9 @@ from llava.sampling.sampler import Sampler
 from llava.sched.loop import EngineLoop
 from llava.sched.scheduler import Scheduler
 from llava.sched.work import Answer, Opened, OpenRequest, RequestContext, TurnRequest
-from llava.sessions.persist import model_identity, open_journal
+from llava.sessions.persist import model_identity, open_journal, persistence
 from llava.sessions.session import Session
-from llava.sessions.store import EVICTED, EXPIRED, SessionStore, StoreCounters
+from llava.sessions.store import EXPIRED, SessionStore, StoreCounters
 
 __all__ = ["Answer", "Engine", "EngineStats", "Opened"]
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Engine:
             loaded.model.config.text_config, budget, loaded.device, loaded.dtype
         )
         identity = model_identity(loaded.model, loaded.dtype)
-        self.journal = open_journal(config.persist_dir, config.persist_max_bytes, identity)
+        self.journal = open_journal(persistence(config), identity)
         self.store = SessionStore(
             self.memory, ttl_s=config.session_ttl_s, clock=clock, journal=self.journal
         )
@@ -121,7 +121,7 @@ class Engine:
         vocab = loaded.model.config.text_config.vocab_size
         sampler = Sampler(vocab, self.context.banned_ids, loaded.eos_token_ids, loaded.device)
         self.runner = Runner(loaded.model, self.memory.pool, sampler, config.attention)
-        scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps)
+        scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps, config.wait_for_room_s)
         on_idle = self.check_integrity if config.check_memory_when_idle else None
         self.loop = EngineLoop(self.runner, scheduler, time.monotonic, on_idle).start()
         if loaded.device.type == "cuda":  # streams, graphs and events without a device: ours
@@ -177,34 +177,27 @@ class Engine:
 
     def _adopt_persisted(self) -> int:
         """Sessions a previous worker of this model left in the persistent tier continue here:
-        same ids, same expiry, history and features; their KV is recomputed on their next
-        turn (tier FEATURES). Returns how many (docs/engine/sessions.md §Persistent tier)."""
+        same ids, same expiry, history and features. They are adopted parked (nothing read
+        into memory but their history): each one's next turn reads its features back and
+        recomputes its KV (tier PERSISTED). Returns how many (docs/engine/sessions.md
+        §Persistent tier)."""
         now = time.time()
         loaded = self.journal.load(now)
         for session_id, reason in loaded.gone.items():
             self.store.remember_gone(session_id, reason)
         for session_id in loaded.expired:
             self.store.refuse_entry(session_id, EXPIRED)
-        adopted = 0
         for entry in loaded.live:
             snapshot = entry.snapshot
             key = snapshot.image_key
             shared = bytes.fromhex(key) if key and self.config.share_prefixes else None
-            holding = self.memory.hold_features(entry.features, shared)
-            if holding is None:
-                self.store.refuse_entry(snapshot.session_id, EVICTED)
-                logger.warning(
-                    "persistent tier: session %s not adopted: no room for its features",
-                    snapshot.session_id,
-                )
-                continue
+            holding = self.memory.hold_parked(entry.features_shape, shared)
             session = Session(snapshot.session_id, snapshot.token_ids, holding)
             session.messages, session.turns = snapshot.messages, snapshot.turns
             self.store.restore(session, idle_s=max(0.0, now - snapshot.last_used_wall))
-            adopted += 1
-        if adopted:
-            logger.info("persistent tier: adopted %d sessions", adopted)
-        return adopted
+        if loaded.live:
+            logger.info("persistent tier: adopted %d sessions", len(loaded.live))
+        return len(loaded.live)
 
     # -- the three operations --------------------------------------------------------------
     def open(

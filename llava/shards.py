@@ -26,7 +26,7 @@ from llava.errors import EngineError, SessionIdInUse, ShardFailed
 from llava.kv.budget import host_budget, memory_budget
 from llava.kv.memory import IntegrityError, session_feature_bytes, session_kv_bytes
 from llava.model.loading import load_model, shard_devices
-from llava.sessions.persist import check_directory
+from llava.sessions.persist import persistence
 from llava.sessions.store import new_session_id
 
 __all__ = ["ShardStats", "ShardedEngine"]
@@ -66,11 +66,11 @@ def shard_persistence(config: EngineConfig, count: int) -> list[dict[str, Any]]:
     session on the shard that held it) and an even share of the directory's cap."""
     if config.persist_dir is None or count == 1:
         return [{}] * count
-    cap = check_directory(config.persist_dir, config.persist_max_bytes)
+    location = persistence(config)
     return [
         {
-            "persist_dir": str(Path(config.persist_dir) / f"shard-{k}"),
-            "persist_max_bytes": cap // count,
+            "persist_dir": str(Path(location.directory) / f"shard-{k}"),
+            "persist_max_bytes": location.max_bytes // count,
         }
         for k in range(count)
     ]

@@ -34,7 +34,8 @@ COUNTERS = {
         "SessionsClosed",
         "SessionsExpired",
         "SessionsDemoted",
-        "SessionsEvicted",
+        "SessionsEvicted",  # lost: no tier could keep them
+        "SessionsParked",  # moved to the persistent tier alone; back on their next turn
         "TurnNewTokens",
         "TurnCachedTokens",
         "PrefixHits",  # opens and recomputes that started on blocks other sessions computed

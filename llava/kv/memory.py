@@ -5,7 +5,9 @@ A session's memory, hot to cold (docs/engine/memory.md §Memory policy):
 - ``HOST``: its KV copied to host memory (pinned on CUDA); the next turn copies it back and
   answers exactly as it would have on device.
 - ``FEATURES``: its KV dropped; the next turn re-prefills the history from the features.
-- gone: evicted whole; its id then answers SESSION_EVICTED.
+- ``PERSISTED`` (parked): nothing in memory; the persistent tier (llava.sessions.persist) holds
+  its features and history, and its next turn reads them back and re-prefills, exactly.
+- gone: evicted whole, only when no tier can keep it; its id then answers SESSION_EVICTED.
 Image features live in pool blocks too, so the pool *is* the device budget: KV and features
 together can never exceed it; activations and graphs get the stated headroom beside it.
 
@@ -17,16 +19,20 @@ the device only when no session there needs it, and even then stays reusable unt
 is needed.
 
 One lock guards the pool's block map, the host bytes and every holding. Under device pressure
-a reservation moves the least recently used idle sessions down one rung at a time: device KV
-to host (older host copies dropped to make room), then whole sessions out. A reservation that
-could not fit even so returns a ``Shortfall`` value (the loop waits or answers Busy) and moves
-nobody. The store (llava.sessions.store) pins a session for its turn and learns of evictions from
-``drain_evicted``; the manager never calls the store (lock order: store, then memory).
+a reservation moves the least recently used idle sessions down, in one order
+(``_make_room``; docs/engine/memory.md §Memory policy): device KV to free host room; then, once
+the caller may no longer wait for running turns, device KV off (older host copies dropped to
+make room, else the KV dropped), sessions parked, and only sessions that cannot be parked
+evicted. A reservation that could not fit even so returns a ``Shortfall`` value (the loop waits
+or answers Busy) and nobody loses anything for it. The store (llava.sessions.store) pins a
+session for its turn and learns of evictions from ``drain_evicted``; the manager never calls
+the store (lock order: store, then memory).
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -40,6 +46,8 @@ from llava.errors import NoCapacity
 from llava.kv.pool import KVPool, SessionKV
 from llava.kv.prefix import feature_keys
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1.0  # a turn lasts seconds: by then running turns have ended and are idle
 
 
@@ -49,6 +57,7 @@ class Tier(enum.Enum):
     KV = "kv"  # device
     HOST = "host"
     FEATURES = "features"
+    PERSISTED = "persisted"  # parked: in the persistent tier only
 
 
 # -- accounting a capacity tool can call (whole blocks, as the pool hands them out) --------
@@ -85,7 +94,8 @@ class MemoryBudget:
 
 @dataclass(frozen=True)
 class Shortfall:
-    """A reservation that cannot be met now; nothing was taken and nobody was moved."""
+    """A reservation that cannot be met now; nothing was taken and nobody lost anything
+    (at most idle KV was copied to free host room)."""
 
     message: str
     retry_after_s: float = RETRY_AFTER_S
@@ -96,7 +106,8 @@ class MemoryCounters(Counters):
     moved_to_host: int = 0  # device KV copied to host
     restored: int = 0  # host KV copied back for a turn
     demoted: int = 0  # KV dropped (from device or host): the next turn re-prefills
-    evicted: int = 0  # whole sessions removed to free device memory
+    evicted: int = 0  # whole sessions removed to free device memory (no tier could keep them)
+    parked: int = 0  # sessions whose features left the device (the persistent tier keeps them)
     prefix_hits: int = 0  # device KVs started on blocks another session computed
     prefix_tokens: int = 0  # tokens of those blocks (not computed again)
     feature_hits: int = 0  # sessions given an image's features held already
@@ -134,12 +145,20 @@ class Holding:
         self.feature_shape: tuple[int, int] | None = None
         self.pinned = True  # in a turn (or an opening): never moved by anyone else
         self.evicted = False
+        self.persisted = False  # the persistent tier holds its features and history
 
     @property
     def tier(self) -> Tier:
         if self.kv is not None:
             return Tier.KV
-        return Tier.HOST if self.host is not None else Tier.FEATURES
+        if self.host is not None:
+            return Tier.HOST
+        return Tier.PERSISTED if self.parked else Tier.FEATURES
+
+    @property
+    def parked(self) -> bool:
+        """It has an image whose features are in no pool block (read back on its next turn)."""
+        return self.feature_shape is not None and not self.feature_blocks
 
     @property
     def image_tokens(self) -> int:
@@ -216,24 +235,22 @@ class MemoryManager:
             self._holdings.add(holding)
         return holding
 
-    def hold_features(
-        self, features: torch.Tensor | None, image_key: bytes | None = None
-    ) -> Holding | None:
-        """A new pinned holding with ``features`` in pool blocks (those of its image held
-        already, if any) and no KV (tier FEATURES: the next turn re-prefills), for a session
-        adopted from the persistent tier; None if the free blocks cannot take them (nobody is
-        moved for a session no one is waiting on)."""
+    def hold_parked(
+        self, feature_shape: tuple[int, int] | None, image_key: bytes | None = None
+    ) -> Holding:
+        """A new pinned holding of a session the persistent tier keeps, adopted after a
+        restart: parked (features of ``feature_shape`` on disk, nothing in memory; tier
+        FEATURES for a session without an image); its next turn brings them back."""
         holding = self.hold(image_key)
-        if features is None:
-            return holding
-        with self._lock:
-            if self.share_features(holding):
-                return holding
-            if blocks_for(features.numel(), self.pool.block_numel) > self.pool.free_blocks:
-                self.release(holding)
-                return None
-            self._store_features(holding, features)
+        holding.feature_shape = feature_shape
+        holding.persisted = True
         return holding
+
+    def mark_persisted(self, holding: Holding, persisted: bool) -> None:
+        """Whether the persistent tier now holds the session's features and history (a
+        session it does not hold is evicted, not parked, when its room is needed)."""
+        with self._lock:
+            holding.persisted = persisted
 
     def holds_image(self, image_key: bytes) -> bool:
         """Whether the features of the image with this content key are in the pool."""
@@ -252,7 +269,8 @@ class MemoryManager:
             self._feature_blocks += sum(self.pool.refs(b) == 0 for b in blocks)
             self.pool.share(blocks)
             self._feature_shapes.move_to_end(key)
-            holding.feature_blocks, holding.feature_shape = blocks, shape
+            with self._retiering(holding):  # a parked one is parked no more
+                holding.feature_blocks, holding.feature_shape = blocks, shape
             self._count(feature_hits=1)
             return True
 
@@ -289,14 +307,18 @@ class MemoryManager:
             with self._retiering(holding):
                 self._drop_kv(holding)
                 self._drop_host(holding)
-                blocks = holding.feature_blocks
-                self._feature_blocks -= sum(self.pool.refs(b) == 1 for b in blocks)
-                self.pool.give_back(blocks)
-                holding.feature_blocks = []
+                self._drop_features(holding)
             self._holdings.discard(holding)
             self._idle.pop(holding, None)
             if holding.label is not None:
                 self._sessions[holding.tier] -= 1
+
+    def evict(self, holding: Holding) -> None:
+        """Remove it whole, as pressure would when no tier can keep it (a session whose
+        parked state cannot be read back); its label goes to ``drain_evicted``."""
+        with self._lock:
+            if holding in self._holdings:
+                self._evict(holding)
 
     def drain_evicted(self) -> list[str]:
         with self._lock:
@@ -310,14 +332,18 @@ class MemoryManager:
         extra_tokens: int,
         features: torch.Tensor | None = None,
         prefix: list[bytes] = (),
+        may_drop: bool = True,
     ) -> Shortfall | None:
         """Device blocks for ``extra_tokens`` more KV tokens (a host copy comes back first)
-        and, with ``features``, for the session's image features, stored now. A holding with
+        and, with ``features``, for the session's image features, stored now (a parked
+        holding's must be given, read back from the persistent tier). A holding with
         no KV on the device starts on the longest run of ``prefix`` (the content keys of the
         ids it is about to hold: llava.kv.prefix) that is published; its host copy's own keys
         serve for that when it comes back; ``holding.kv.length`` then says what is there.
-        Moves idle sessions down to make room; returns a Shortfall (taking nothing) if even
-        moving every idle one would not; raises NoCapacity if the whole pool never could."""
+        Moves idle sessions down to make room (``_make_room``; ``may_drop`` False: only to free
+        host room, the caller waiting for running turns rather than dropping anything);
+        returns a Shortfall (taking nothing) if that is not enough; raises NoCapacity if the
+        whole pool never could."""
         with self._lock:
             if holding.kv is not None:
                 kv, new_kv = holding.kv, None
@@ -332,10 +358,12 @@ class MemoryManager:
                 needed = blocks_for(total, self.pool.block_tokens) - len(kv.blocks)
             if features is not None and not holding.feature_blocks:
                 needed += blocks_for(features.numel(), self.pool.block_numel)
+            elif holding.parked:
+                raise ValueError("a parked session's features must come back with it")
             else:
                 features = None
             problem = self._never_fits(holding, new_kv, needed, total)
-            shortfall = None if problem else self._make_room(needed)
+            shortfall = None if problem else self._make_room(needed, may_drop)
             if problem or shortfall:
                 if new_kv is not None:
                     new_kv.free()
@@ -390,8 +418,9 @@ class MemoryManager:
 
     def move_down(self, holding: Holding) -> Tier:
         """Move an idle holding one rung down now, as pressure would (device KV to host, or
-        dropped if the host has no room; host KV dropped); returns its tier. For operators'
-        tools and benchmarks: the manager moves sessions by itself under pressure."""
+        dropped if the host has no room; host KV dropped; features parked if the persistent
+        tier holds them); returns its tier. For operators' tools and benchmarks: the manager
+        moves sessions by itself under pressure."""
         with self._lock:
             if holding.pinned or holding.evicted:
                 raise ValueError("only an idle session can be moved")
@@ -401,6 +430,8 @@ class MemoryManager:
                 with self._retiering(holding):
                     self._drop_host(holding)
                     self._count(demoted=1)
+            elif holding.persisted and holding.feature_blocks:
+                self._park(holding)
             return holding.tier
 
     def drop_kv(self, holding: Holding) -> None:
@@ -465,6 +496,7 @@ class MemoryManager:
                 if holding.label is not None:
                     sessions[holding.tier] += 1
                 _require(holding.pinned != (holding in self._idle), "pinned and idle disagree")
+                _require(holding.persisted or not holding.parked, "parked and not persisted")
             for block in range(pool.total_blocks):
                 listed, counted = references.get(block, 0), pool.refs(block)
                 _require(listed == counted, f"block {block}: listed {listed}x, counted {counted}x")
@@ -522,7 +554,19 @@ class MemoryManager:
                 references[block] = references.get(block, 0) + 1
         return sum(count == self.pool.refs(block) for block, count in references.items())
 
-    def _make_room(self, needed: int) -> Shortfall | None:
+    def _make_room(self, needed: int, may_drop: bool) -> Shortfall | None:
+        """Free device blocks for ``needed``, moving idle sessions (least recently used
+        first) down in this order, the one policy (docs/engine/memory.md §Memory policy):
+
+        1. device KV to the host tier, while it has free room (restored exactly, by a copy);
+        2. nothing more while ``may_drop`` is False: the caller waits for running turns,
+           whose KV becomes movable as they end (bounded by the wait_for_room_s setting);
+        3. device KV off: to the host, dropping older host copies, or dropped (recomputed
+           from the features);
+        4. sessions parked: their features leave the device (the persistent tier holds them);
+        5. sessions no tier can keep evicted, each logged with why.
+
+        Nobody moves when even all of that would not make the room (a Shortfall)."""
         pool = self.pool
         if needed <= pool.free_blocks:
             return None
@@ -533,19 +577,35 @@ class MemoryManager:
                 f"the device memory for sessions is full: this needs {needed} blocks, "
                 f"{pool.free_blocks} are free and idle sessions hold {movable}; retry shortly"
             )
-        for holding in idle:  # device KV → host (or dropped), least recently used first
+        steps = [(h, self._move_kv_to_free_host) for h in idle if h.kv is not None]
+        if may_drop:
+            steps += [(h, self._move_kv_off_device) for h in idle if h.kv is not None]
+            steps += [(h, self._park) for h in idle if h.persisted and h.feature_blocks]
+            steps += [(h, self._evict_for_room) for h in idle if not h.persisted]
+        for holding, move in steps:
             if needed <= pool.free_blocks:
                 return None
-            if holding.kv is not None:
-                self._move_kv_off_device(holding)
-        for holding in idle:  # still short: whole sessions go, features and all
-            if needed <= pool.free_blocks:
-                return None
-            self._evict(holding)
-        return None
+            if not holding.evicted and holding in self._holdings:
+                move(holding)
+        if needed <= pool.free_blocks:
+            return None
+        return Shortfall(
+            f"the device memory for sessions is full: this needs {needed} blocks, "
+            f"{pool.free_blocks} are free; waiting for running turns to end"
+        )
+
+    def _move_kv_to_free_host(self, holding: Holding) -> None:
+        """Step 1 of ``_make_room``: only if the host tier has room without dropping anyone."""
+        if holding.kv is None:
+            return
+        nbytes = blocks_for(holding.kv.length, self.pool.block_tokens) * self.pool.bytes_per_block
+        if self._host_bytes + nbytes <= self.budget.host_bytes:
+            self._move_kv_off_device(holding)
 
     def _move_kv_off_device(self, holding: Holding) -> None:
         kv, pool = holding.kv, self.pool
+        if kv is None:
+            return
         written = kv.blocks[: blocks_for(kv.length, pool.block_tokens)]
         nbytes = len(written) * pool.bytes_per_block
         with self._retiering(holding):
@@ -607,12 +667,39 @@ class MemoryManager:
             while len(self._feature_shapes) > pool.total_blocks:  # more than could be held
                 self._feature_shapes.popitem(last=False)
 
+    def _park(self, holding: Holding) -> None:
+        """Everything it holds in memory goes; the persistent tier keeps its features and
+        history, and its next turn brings them back (``reserve`` with its features)."""
+        with self._retiering(holding):
+            self._drop_kv(holding)
+            self._drop_host(holding)
+            self._drop_features(holding)
+        self._count(parked=1)
+
+    def _evict_for_room(self, holding: Holding) -> None:
+        """Step 5 of ``_make_room``: a session no tier can keep goes, if that frees anything."""
+        if holding.device_blocks:
+            logger.warning(
+                "session %s evicted to free device memory: the persistent tier does not hold "
+                "it (off, full, or its write failed)",
+                holding.label,
+            )
+            self._evict(holding)
+
     def _evict(self, holding: Holding) -> None:
         label = holding.label
         self.release(holding)
         holding.evicted = True
         self._evicted.append(label)
         self._count(evicted=1)
+
+    def _drop_features(self, holding: Holding) -> None:
+        """Its references to its features' blocks go (a block no one references is free, and
+        stays reusable under its image's key until its room is needed)."""
+        blocks = holding.feature_blocks
+        self._feature_blocks -= sum(self.pool.refs(b) == 1 for b in blocks)
+        self.pool.give_back(blocks)
+        holding.feature_blocks = []
 
     @staticmethod
     def _drop_kv(holding: Holding) -> None:

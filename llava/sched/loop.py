@@ -35,10 +35,11 @@ class Request(Protocol):
     pending: int
     prefilling: bool
 
-    def admit(self) -> Shortfall | None:
-        """Take what the request needs (session, memory); all or nothing. Returns a
-        Shortfall if memory is short now (it waits, or fails Busy); raises any error that
-        fails the request."""
+    def admit(self, may_drop: bool) -> Shortfall | None:
+        """Take what the request needs (session, memory); all or nothing. ``may_drop``:
+        whether idle sessions may be dropped or parked for it (llava.kv.memory's order).
+        Returns a Shortfall if memory is short now (it waits, or fails Busy); raises any error
+        that fails the request."""
 
     def stop_reason(self, now: float) -> str | None:
         """Why it must end before the next step ("deadline", "cancelled"), or None."""
@@ -155,7 +156,7 @@ class EngineLoop:
     def _admit(self) -> None:
         for request in self.scheduler.admissible():
             try:
-                shortfall = request.admit()
+                shortfall = request.admit(self.scheduler.may_drop(request, self._clock()))
             except BaseException as error:
                 self._fail(request, error)
                 continue

@@ -8,9 +8,11 @@ Pure bookkeeping (no model, no store), so the policy is testable alone:
   first served) up to ``prefill_chunk_tokens`` ids between them, so a long prefill delays the
   decodes sharing its steps by a bounded amount ("mixed"). With ``mixed=False`` prefill
   steps and decode steps alternate instead (docs/engine/scheduling.md §Mixed or alternating steps).
-- A request the memory manager cannot fit now (it moved every idle session it could) waits
-  while other requests run, since their sessions turn idle (movable) when they end, and is
-  refused Busy once nothing runs or its deadline has passed (``waits_for_memory``).
+- A request the memory manager cannot fit now waits while other requests run, since their
+  sessions turn idle (movable) when they end. For ``wait_for_room_s`` it waits rather than
+  have idle sessions dropped or parked for it; after that (or at once when nothing runs, since
+  nothing would free) it may (``may_drop``). It is refused Busy once nothing runs or its
+  deadline has passed (``waits_for_memory``; the order: docs/engine/memory.md §Memory policy).
 """
 
 from __future__ import annotations
@@ -26,14 +28,22 @@ class Schedulable(Protocol):
 
 
 class Scheduler:
-    def __init__(self, max_batch: int = 32, prefill_chunk_tokens: int = 512, mixed: bool = True):
-        if max_batch < 1 or prefill_chunk_tokens < 1:
-            raise ValueError("max_batch and prefill_chunk_tokens must be >= 1")
+    def __init__(
+        self,
+        max_batch: int = 32,
+        prefill_chunk_tokens: int = 512,
+        mixed: bool = True,
+        wait_for_room_s: float = 0.0,
+    ):
+        if max_batch < 1 or prefill_chunk_tokens < 1 or wait_for_room_s < 0:
+            raise ValueError("max_batch, prefill_chunk_tokens >= 1 and wait_for_room_s >= 0")
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.mixed = mixed
+        self.wait_for_room_s = wait_for_room_s
         self.waiting: list[Schedulable] = []
         self.running: list[Schedulable] = []
+        self._short_since: dict[Schedulable, float] = {}  # first found short of memory
         self._last_was_prefill = False
 
     @property
@@ -61,18 +71,27 @@ class Scheduler:
             slots -= 1
         return chosen
 
+    def may_drop(self, request: Schedulable, now: float) -> bool:
+        """Whether idle sessions may be dropped or parked to make room for ``request`` now:
+        when nothing runs, or once it has waited ``wait_for_room_s`` for running turns."""
+        since = self._short_since.get(request)
+        return not self.running or (since is not None and now - since >= self.wait_for_room_s)
+
     def waits_for_memory(self, request: Schedulable, now: float) -> bool:
         """Whether ``request``, short of memory, stays waiting (True) or is refused Busy."""
+        self._short_since.setdefault(request, now)
         return bool(self.running) and now < request.deadline
 
     def start(self, request: Schedulable) -> None:
         self.waiting.remove(request)
         self.running.append(request)
+        self._short_since.pop(request, None)
 
     def remove(self, request: Schedulable) -> None:
         for queue in (self.waiting, self.running):
             if request in queue:
                 queue.remove(request)
+        self._short_since.pop(request, None)
 
     def plan(self) -> list[tuple[Schedulable, int]]:
         """The next step: (request, how many of its pending ids it feeds)."""

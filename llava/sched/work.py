@@ -34,7 +34,7 @@ from llava.model.prompt import (
 from llava.sampling.chooser import Chooser
 from llava.sampling.detokenizer import Detokenizer
 from llava.sampling.params import GenerationParams
-from llava.sessions.persist import NoJournal, SessionJournal, Snapshot
+from llava.sessions.persist import BadEntry, NoJournal, SessionJournal, Snapshot
 from llava.sessions.session import Session
 from llava.sessions.store import SessionStore, new_session_id
 
@@ -100,10 +100,12 @@ class RequestContext:
             None if session.holding.image_key is None else session.holding.image_key.hex(),
         )
         try:
-            self.journal.save(snapshot, features)
+            kept = self.journal.save(snapshot, features)
         except Exception:  # a bug here must not fail a committed turn: the entry goes instead
             logger.exception("persistent tier: session %s not kept", session.session_id)
             self.journal.remove(session.session_id)
+            kept = False
+        self.memory.mark_persisted(session.holding, kept)  # parked, or else evicted, for room
 
     def check_length(self, needed: int) -> None:
         if needed > self.max_positions:
@@ -232,11 +234,11 @@ class OpenRequest(_Request):
         self.holding: Holding | None = None
         self.ids: list[int] = []
 
-    def admit(self) -> Shortfall | None:
+    def admit(self, may_drop: bool = True) -> Shortfall | None:
         context, memory = self.context, self.context.memory
         holding = memory.hold(self.image_key)
         try:
-            shortfall = self._reserve(holding)
+            shortfall = self._reserve(holding, may_drop)
         except BaseException:
             memory.release(holding)
             raise
@@ -251,7 +253,7 @@ class OpenRequest(_Request):
         self.feed = context.feed(holding, self.ids[:cached], tail, self.features)
         return None
 
-    def _reserve(self, holding: Holding) -> Shortfall | None:
+    def _reserve(self, holding: Holding, may_drop: bool) -> Shortfall | None:
         context, memory = self.context, self.context.memory
         shared = self.pixels is not None and memory.share_features(holding)
         if self.pixels is not None and not shared and self.features is None:
@@ -264,7 +266,7 @@ class OpenRequest(_Request):
         self.ids = context.prompt.opening_ids(self.pixels is not None, image_tokens, self.system)
         keys = context.prefix_keys(holding, self.ids)
         features = None if shared else self.features
-        return memory.reserve(holding, len(self.ids), features, prefix=keys)
+        return memory.reserve(holding, len(self.ids), features, keys, may_drop)
 
     def stop_reason(self, now: float) -> str | None:
         return None  # one prefill: it ends at once
@@ -321,12 +323,13 @@ class TurnRequest(_Request):
         self.chooser = Chooser(params, context.eos_token_ids)
         self.detokenizer = Detokenizer(context.tokenizer)
         self.first_token_at: float | None = None
+        self.features: torch.Tensor | None = None  # a parked session's, read back once
 
     @property
     def prefilling(self) -> bool:
         return not self.chooser.generated
 
-    def admit(self) -> Shortfall | None:
+    def admit(self, may_drop: bool = True) -> Shortfall | None:
         context, store, memory = self.context, self.context.store, self.context.memory
         session = store.begin_turn(self.order_key)
         holding = session.holding
@@ -341,15 +344,16 @@ class TurnRequest(_Request):
             context.check_length(total)
             shortfall = None
             if session.tier is Tier.HOST:  # its KV comes back first: then reuse it as usual
-                shortfall = memory.reserve(holding, 0)
+                shortfall = memory.reserve(holding, 0, may_drop=may_drop)
             if shortfall is None and holding.kv is None:  # recomputed, on any shared prefix
+                features = self._parked_features(session)
                 # at least one id is prefilled: its logits start the answer
                 keys = context.prefix_keys(holding, self.prompt[:-1])
-                shortfall = memory.reserve(holding, total, prefix=keys)
+                shortfall = memory.reserve(holding, total, features, keys, may_drop)
                 self.reused = 0 if shortfall else holding.kv.length
             elif shortfall is None:
                 self.reused = self._reuse(holding, session.token_ids)
-                shortfall = memory.reserve(holding, total - self.reused)
+                shortfall = memory.reserve(holding, total - self.reused, may_drop=may_drop)
         except BaseException:
             store.end_turn(session)
             raise
@@ -357,8 +361,24 @@ class TurnRequest(_Request):
             store.end_turn(session)
             return shortfall
         self.session = session
-        self.feed = context.feed(holding, self.prompt[: self.reused], self.prompt[self.reused :])
+        prompt, reused = self.prompt, self.reused
+        self.feed = context.feed(holding, prompt[:reused], prompt[reused:], self.features)
         return None
+
+    def _parked_features(self, session: Session) -> torch.Tensor | None:
+        """A parked session's features: its image's, if the pool holds them, else read back
+        from the persistent tier (once: kept across a wait for room). An entry that cannot
+        be read loses the session (SESSION_EVICTED, logged with why)."""
+        holding, context = session.holding, self.context
+        if not holding.parked or context.memory.share_features(holding):
+            return None
+        if self.features is None:
+            try:
+                self.features = context.journal.features(session.session_id)
+            except BadEntry as e:
+                why = f"its persisted features are unreadable: {e}"
+                raise context.store.lose(session, why) from None
+        return self.features
 
     def _reuse(self, holding: Holding, history: list[int]) -> int:
         """Crop the KV to the longest prefix it shares with the prompt; return its length.

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from llava.config import SettingsError
+from llava.config import EngineConfig, SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,11 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Persisted:
+    """A verified entry; its features stay on disk (``SessionJournal.features`` reads them
+    when the session's next turn needs them), only their shape is read here."""
+
     snapshot: Snapshot
-    features: torch.Tensor | None
+    features_shape: tuple[int, int] | None
     features_digest: str | None = None
 
     @property
@@ -93,7 +96,36 @@ def model_identity(model: torch.nn.Module, dtype: torch.dtype) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def check_directory(directory: str, max_bytes: int | None) -> int:
+class Location(NamedTuple):
+    directory: str
+    max_bytes: int
+
+
+def persistence(config: EngineConfig) -> Location | None:
+    """Where the persistent tier lives and how many bytes it may hold, said in one log line
+    (None: the tier is off). Unless ``persist_max_bytes`` says, the cap is measured: half the
+    directory's file system. Below ``persist_min_bytes`` (Docker's default /dev/shm is 64 MB)
+    ``persist_fallback_dir`` is used instead, if it holds more (docs/engine/sessions.md
+    §Persistent tier). A directory that cannot be written fails the start (SettingsError)."""
+    directory, max_bytes = config.persist_dir, config.persist_max_bytes
+    min_bytes, fallback_dir = config.persist_min_bytes, config.persist_fallback_dir
+    if directory is None:
+        return None
+    cap = check_directory(directory, max_bytes)
+    if max_bytes is None and cap < min_bytes and fallback_dir is not None:
+        fallback_cap = check_directory(fallback_dir, None, "persist_fallback_dir")
+        if fallback_cap >= cap:  # never a smaller one
+            logger.warning(
+                "persistent tier: %s holds only %d MiB, under persist_min_bytes (%d MiB): "
+                "using %s instead, up to %d MiB",
+                directory, cap >> 20, min_bytes >> 20, fallback_dir, fallback_cap >> 20,
+            )  # fmt: skip
+            return Location(fallback_dir, fallback_cap)
+    logger.info("persistent tier: %s, up to %d MiB", directory, cap >> 20)
+    return Location(directory, cap)
+
+
+def check_directory(directory: str, max_bytes: int | None, setting: str = "persist_dir") -> int:
     """Create and try the directory; return the byte cap. A bad one is a SettingsError."""
     path = Path(directory)
     try:
@@ -103,7 +135,7 @@ def check_directory(directory: str, max_bytes: int | None) -> int:
         probe.unlink()
     except OSError as e:
         problem = f"{directory} is not a writable directory ({e})"
-        raise SettingsError("persist_dir", problem) from None
+        raise SettingsError(setting, problem) from None
     size = shutil.disk_usage(path).total
     if max_bytes is None:
         return size // 2
@@ -140,6 +172,9 @@ class NoJournal:
 
     def load(self, now_wall: float) -> Loaded:
         return Loaded([], [], {})
+
+    def features(self, session_id: str) -> torch.Tensor:
+        raise BadEntry("the persistent tier is off")
 
 
 class SessionJournal:
@@ -220,7 +255,7 @@ class SessionJournal:
                 for suffix in suffixes:
                     _discard(self._path(session_id, suffix), str(e))
                 continue
-            if FEATURES in suffixes and entry.features is None:
+            if FEATURES in suffixes and entry.features_shape is None:
                 _discard(self._path(session_id, FEATURES), "features the state does not name")
             entries.append(entry)
         adopted, expired = [], []
@@ -273,7 +308,7 @@ class SessionJournal:
     def _on_disk(self, entry: Persisted) -> _Entry:
         session_id = entry.snapshot.session_id
         kept = _Entry(state_bytes=self._path(session_id, STATE).stat().st_size)
-        if entry.features is not None:
+        if entry.features_shape is not None:
             kept.features_bytes = self._path(session_id, FEATURES).stat().st_size
             kept.features_digest = entry.features_digest
         return kept
@@ -294,13 +329,25 @@ class SessionJournal:
             raise BadEntry(f"a state without {e}") from None
         if snapshot.session_id != session_id:
             raise BadEntry("a state under another session's name")
-        features = None
+        shape = None
         if header["features"] is not None:
-            features_header, payload, digest = self._unpack(session_id, FEATURES)
-            if digest.hex() != header["features"]:
-                raise BadEntry("features that are not the ones its state names")
-            features = _tensor(features_header, payload)
-        return Persisted(snapshot, features, header["features"])
+            shape = tuple(self._features(session_id, header["features"]).shape)
+        return Persisted(snapshot, shape, header["features"])
+
+    def features(self, session_id: str) -> torch.Tensor:
+        """A kept session's image features, read back and verified (a parked session's next
+        turn); raises BadEntry if its entry has none or they are not whole."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+        if entry is None or entry.features_digest is None:
+            raise BadEntry("no features are kept for it")
+        return self._features(session_id, entry.features_digest)
+
+    def _features(self, session_id: str, digest: str) -> torch.Tensor:
+        header, payload, found = self._unpack(session_id, FEATURES)
+        if found.hex() != digest:
+            raise BadEntry("features that are not the ones its state names")
+        return _tensor(header, payload)
 
     def _unpack(self, session_id: str, suffix: str) -> tuple[dict, bytes, bytes]:
         """A verified entry file's header, payload and trailing digest."""
@@ -417,10 +464,8 @@ def _discard(path: Path, why: str) -> None:
     path.unlink(missing_ok=True)
 
 
-def open_journal(
-    directory: str | None, max_bytes: int | None, model: str
-) -> SessionJournal | NoJournal:
-    """The engine's journal from its settings (a bad directory or cap fails the start)."""
-    if directory is None:
+def open_journal(location: Location | None, model: str) -> SessionJournal | NoJournal:
+    """The engine's journal at ``location`` (``persistence``'s; None: the tier is off)."""
+    if location is None:
         return NoJournal()
-    return SessionJournal(directory, check_directory(directory, max_bytes), model)
+    return SessionJournal(location.directory, location.max_bytes, model)

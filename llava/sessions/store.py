@@ -16,6 +16,7 @@ lock, then the manager's (the manager never calls back).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -31,6 +32,8 @@ from llava.errors import SessionIdInUse, SessionNotFound
 from llava.kv.memory import Holding, IntegrityError
 from llava.sessions.persist import REMEMBERED_GONE, NoJournal
 from llava.sessions.session import Session
+
+logger = logging.getLogger(__name__)
 
 # Why an id is gone → the error code its caller gets.
 CLOSED, EXPIRED, EVICTED = "SESSION_CLOSED", "SESSION_EXPIRED", "SESSION_EVICTED"
@@ -51,6 +54,7 @@ class Holdings(Protocol):
     def unpin(self, holding: Holding) -> None: ...
     def release(self, holding: Holding) -> None: ...
     def drain_evicted(self) -> list[str]: ...
+    def evict(self, holding: Holding) -> None: ...
     def check_integrity(self) -> set[str]: ...
 
 
@@ -173,6 +177,15 @@ class SessionStore:
                 self._sessions.move_to_end(session.session_id)
                 self.memory.unpin(session.holding)
             session.lock.release()
+
+    def lose(self, session: Session, why: str) -> SessionNotFound:
+        """A session in its turn that cannot go on (its parked state is unreadable): evicted,
+        logged with ``why``; returns the error its caller gets (SESSION_EVICTED)."""
+        logger.warning("session %s evicted: %s", session.session_id, why)
+        with self._lock:
+            self.memory.evict(session.holding)
+            self._forget_evicted()
+            return self._not_found(session.session_id)
 
     def close(self, session_id: str) -> str | None:
         """Close a live session (returns None), or acknowledge one that is already gone

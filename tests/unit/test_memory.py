@@ -93,6 +93,61 @@ def test_demotion_order_is_device_then_host_then_features_then_gone():
     store.check_integrity()
 
 
+def test_sessions_the_persistent_tier_holds_are_parked_and_only_the_others_evicted():
+    clock = FakeClock()
+    store = new_store(blocks=20, clock=clock)  # no host tier
+    memory = store.memory
+    old, kept, newer = (
+        make_session(memory, tokens=10, feature_rows=10, value=v) for v in (1, 2, 3)
+    )
+    for session in (old, kept, newer):  # 6 blocks each (5 KV + 1 feature): 18 of 20
+        clock.now += 1
+        store.add(session)
+    for session in (kept, newer):
+        memory.mark_persisted(session.holding, True)
+    newcomer = memory.hold()
+    assert memory.reserve(newcomer, 36) is None  # 18 blocks: all KV off, then one feature block
+    # the least recently used session the persistent tier holds is parked; `old` is older,
+    # but evicting it would lose it
+    assert (old.tier, kept.tier, newer.tier) == (Tier.FEATURES, Tier.PERSISTED, Tier.FEATURES)
+    memory.release(newcomer)
+    newcomer = memory.hold()
+    assert memory.reserve(newcomer, 40) is None  # the whole pool: `newer` parked, `old` evicted
+    assert old.session_id not in store and (kept.tier, newer.tier) == (Tier.PERSISTED,) * 2
+    counters = memory.stats().counters
+    assert (counters.demoted, counters.parked, counters.evicted) == (3, 2, 1)
+    memory.release(newcomer)
+    store.check_integrity()
+    with store.use(kept.session_id) as session:  # its features come back from the tier
+        with pytest.raises(ValueError, match="parked"):
+            memory.reserve(session.holding, 4)
+        assert memory.reserve(session.holding, 4, torch.full((10, FEATURE_HIDDEN), 2.0)) is None
+        assert session.tier is Tier.KV and holds_value(memory, session, 2.0)
+    store.check_integrity()
+
+
+def test_a_caller_that_may_not_drop_gets_only_free_host_room_and_waits():
+    """While running turns may still free room (``may_drop`` False), idle KV only moves to
+    free host room; nothing is dropped, parked or evicted, and the caller gets a Shortfall."""
+    clock = FakeClock()
+    store = new_store(blocks=20, host_blocks=5, clock=clock)  # host: one session's 5 KV blocks
+    memory = store.memory
+    sessions = [make_session(memory, tokens=10, feature_rows=10, value=v) for v in (1, 2, 3)]
+    for session in sessions:
+        clock.now += 1
+        store.add(session)
+        memory.mark_persisted(session.holding, True)
+    newcomer = memory.hold()
+    assert isinstance(memory.reserve(newcomer, 20, may_drop=False), Shortfall)  # 10 blocks
+    assert [s.tier for s in sessions] == [Tier.HOST, Tier.KV, Tier.KV]  # 2 + 5 free: short
+    counters = memory.stats().counters
+    assert (counters.demoted, counters.parked, counters.evicted) == (0, 0, 0)
+    assert memory.reserve(newcomer, 20, may_drop=True) is None  # `b`'s KV goes to the host
+    assert [s.tier for s in sessions] == [Tier.FEATURES, Tier.HOST, Tier.KV]
+    memory.release(newcomer)
+    store.check_integrity()
+
+
 def test_a_host_copy_comes_back_exactly_into_other_blocks():
     store = new_store(blocks=12, host_blocks=10)
     memory = store.memory

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.errors import SessionNotFound
@@ -22,6 +23,7 @@ from llava.sessions.persist import (
     SessionJournal,
     Snapshot,
     check_directory,
+    persistence,
 )
 from llava.sessions.session import Tier
 from serving.interrupted import StreamEnd
@@ -60,10 +62,11 @@ def test_a_new_engine_continues_a_session_as_if_nothing_happened(demo_model, sam
         f"{opened.session_id}.state",
     ]
     session = second.store.session(opened.session_id)
-    assert session.tier is Tier.FEATURES and session.turns == 3
+    assert session.tier is Tier.PERSISTED and session.turns == 3  # adopted parked
+    assert second.stats().total_bytes == 0  # nothing read into memory before its turn
     answer = second.ask(opened.session_id, QUESTIONS[3])
     assert answers + [answer.text] == expected
-    assert answer.tier is Tier.FEATURES and answer.expires_at >= opened.expires_at
+    assert answer.tier is Tier.PERSISTED and answer.expires_at >= opened.expires_at
 
 
 def test_a_turn_that_did_not_commit_leaves_the_previous_state(demo_model, sample, tmp_path):
@@ -118,10 +121,12 @@ def test_corrupt_or_truncated_entries_are_removed(tmp_path, caplog, damage, suff
         "empty": b"",
     }[damage]
     path.write_bytes(damaged)
+    reopened = SessionJournal(tmp_path, 1 << 20, MODEL)
     with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
-        adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()).live
+        adopted = reopened.load(time.time()).live
     assert [e.snapshot.session_id for e in adopted] == ["good"]
-    assert torch.equal(adopted[0].features, torch.ones(4, 8))
+    assert adopted[0].features_shape == (4, 8)
+    assert torch.equal(reopened.features("good"), torch.ones(4, 8))
     assert "bad" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.features", "good.state"]
 
@@ -172,29 +177,47 @@ def test_a_full_directory_degrades_to_sessions_lost(demo_model, sample, tmp_path
         restarted.ask(session_id, QUESTIONS[1])
 
 
-def test_a_session_that_expired_or_found_no_room_meanwhile_is_told_why(
+def test_a_restarted_worker_adopts_more_sessions_than_its_device_holds_and_loses_none(
     demo_model, sample, tmp_path
 ):
-    """What a restarted worker cannot adopt is answered as expired or evicted (not as an id
-    never seen), and closing it is the idempotent close."""
-    first = new_engine(demo_model, tmp_path)
-    images = (sample.image, one_pixel_changed(sample.image))
+    """Every live session is adopted parked, even more than the device holds at once: each
+    comes back on its turn (parking the other) and answers as if nothing happened. One that
+    expired while no worker held it is answered as expired, not as an id never seen, and
+    closing it is the idempotent close."""
+    short = {"max_new_tokens": 4}
+    images = (
+        sample.image,
+        one_pixel_changed(sample.image),
+        held_out_samples(1, seed=20_777)[0].image,
+    )
+    control = new_engine(demo_model, tmp_path / "control")
+    ids = [control.open(image).session_id for image in images]
+    expected = [[control.ask(i, q, short).token_ids for q in QUESTIONS[:2]] for i in ids]
+    one_session = control.memory.held_bytes(control.store.session(ids[0]).holding)
+
+    first = new_engine(demo_model, tmp_path / "tier")
     held = [first.open(image).session_id for image in images]
+    answers = [[first.ask(i, QUESTIONS[0], short).token_ids] for i in held]
     first.stop()
-    SessionJournal(tmp_path, 1 << 20, first.journal.model).save(
+    SessionJournal(tmp_path / "tier", 1 << 20, first.journal.model).save(
         snapshot("idle", last_used=time.time() - 120, ttl_s=60)  # expired while down
     )
-    config = EngineConfig(model_dir="unused", persist_dir=str(tmp_path))
-    one_block = Engine(demo_model, config, MemoryBudget(36_864))  # room for one image's features
-    assert one_block.adopted == 1
-    evicted = next(i for i in held if i not in one_block.store)
-    for session_id, code in (("idle", "SESSION_EXPIRED"), (evicted, "SESSION_EVICTED")):
-        with pytest.raises(SessionNotFound) as refused:
-            one_block.ask(session_id, QUESTIONS[0])
-        assert refused.value.code == code
-        assert one_block.close(session_id) == code
-    kept = next(i for i in held if i != evicted)
-    assert {p.name for p in tmp_path.iterdir()} == {f"{kept}{STATE}", f"{kept}{FEATURES}", GONE_LOG}
+    config = EngineConfig(model_dir="unused", persist_dir=str(tmp_path / "tier"))
+    block = control.memory.pool.bytes_per_block
+    one_at_a_time = Engine(demo_model, config, MemoryBudget(one_session + block))
+    assert one_at_a_time.adopted == 3
+    for answered, session_id in zip(answers, held, strict=True):
+        answer = one_at_a_time.ask(session_id, QUESTIONS[1], short)
+        assert answer.tier is Tier.PERSISTED
+        answered.append(answer.token_ids)
+    assert answers == expected
+    counters = one_at_a_time.stats().memory
+    assert (counters.parked, counters.evicted) == (1, 0)  # the first made room for the third
+    with pytest.raises(SessionNotFound) as refused:
+        one_at_a_time.ask("idle", QUESTIONS[0])
+    assert refused.value.code == "SESSION_EXPIRED"
+    assert one_at_a_time.close("idle") == "SESSION_EXPIRED"
+    one_at_a_time.check_integrity()
 
 
 def test_a_restarted_worker_still_tells_why_earlier_sessions_went(demo_model, sample, tmp_path):
@@ -229,6 +252,33 @@ def test_a_bad_directory_or_cap_fails_the_start_in_one_line(tmp_path):
         EngineConfig(model_dir="x", persist_dir="relative/dir")
     assert check_directory(str(tmp_path), None) > 0
     assert os.access(tmp_path, os.W_OK)
+
+
+def test_a_directory_under_the_floor_gives_way_to_the_fallback_in_one_log_line(tmp_path, caplog):
+    small, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
+    measured = check_directory(str(tmp_path), None)  # half the file system the test writes to
+
+    def config(**settings) -> EngineConfig:
+        return EngineConfig(model_dir="x", persist_dir=small, **settings)
+
+    with caplog.at_level(logging.INFO, "llava.sessions.persist"):
+        assert persistence(config(persist_min_bytes=measured)) == (small, measured)
+        assert caplog.messages == [f"persistent tier: {small}, up to {measured >> 20} MiB"]
+        caplog.clear()
+        floor = config(persist_min_bytes=measured + 1, persist_fallback_dir=disk)
+        assert persistence(floor) == (disk, measured)
+        assert len(caplog.messages) == 1 and f"using {disk} instead" in caplog.messages[0]
+        caplog.clear()
+        capped = config(
+            persist_min_bytes=measured + 1, persist_fallback_dir=disk, persist_max_bytes=5
+        )
+        assert persistence(capped) == (small, 5)  # a stated cap is the operator's choice
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    unwritable = config(persist_min_bytes=measured + 1, persist_fallback_dir=str(blocker / "x"))
+    with pytest.raises(SettingsError, match="^bad setting persist_fallback_dir: .* not a writable"):
+        persistence(unwritable)
+    assert persistence(EngineConfig(model_dir="x")) is None  # the tier off
 
 
 def test_a_stream_is_finished_only_by_a_whole_last_line_that_is_not_a_token():

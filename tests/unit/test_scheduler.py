@@ -49,6 +49,23 @@ def test_a_request_short_of_memory_waits_only_while_others_run_and_its_time_last
     assert not scheduler.waits_for_memory(short, now=10.0)  # out of time: Busy
 
 
+def test_a_request_short_of_memory_waits_for_running_turns_before_anyone_is_dropped():
+    scheduler = Scheduler(max_batch=8, wait_for_room_s=0.25)
+    short, running = Req("a"), Req("b")
+    scheduler.add(short)
+    assert scheduler.may_drop(short, now=0.0)  # nothing runs: waiting would free nothing
+    scheduler.add(running)
+    scheduler.start(running)
+    assert not scheduler.may_drop(short, now=1.0)  # not yet short: first it waits
+    assert scheduler.waits_for_memory(short, now=1.0)  # found short at 1.0
+    assert not scheduler.may_drop(short, now=1.2)
+    assert scheduler.may_drop(short, now=1.25)  # waited its bound: idle sessions may move
+    scheduler.start(short)
+    scheduler.remove(short)
+    scheduler.add(short)  # a new wait starts from scratch
+    assert not scheduler.may_drop(short, now=5.0)
+
+
 def test_no_more_than_max_batch_run_at_once():
     scheduler = Scheduler(max_batch=2)
     requests = [Req(str(i)) for i in range(4)]
@@ -81,7 +98,9 @@ def test_alternating_steps_take_turns_between_prefill_and_decode():
     assert plans == [[(prefill, 100)], [(decode, 1)], [(prefill, 100)], [(decode, 1)]]
 
 
-@pytest.mark.parametrize("bad", [{"max_batch": 0}, {"prefill_chunk_tokens": 0}])
+@pytest.mark.parametrize(
+    "bad", [{"max_batch": 0}, {"prefill_chunk_tokens": 0}, {"wait_for_room_s": -1}]
+)
 def test_a_scheduler_that_could_never_run_anything_is_refused(bad):
     with pytest.raises(ValueError):
         Scheduler(**bad)
