@@ -1,7 +1,7 @@
 """Session metrics for TorchServe's metrics endpoint (auto-detected: config.properties).
 
-Gauges (sessions and bytes per tier: kv, host, features; the memory budgets; each shard's
-readiness and requests in flight) are set from every engine shard's snapshot after every
+Gauges (sessions and bytes per tier: kv, host, features, persisted; the memory budgets; each
+shard's readiness and requests in flight) are set from every engine shard's snapshot after every
 request and after every reaper sweep that freed sessions; counters are emitted as the increase
 since the previous snapshot, so the endpoint's totals match the stores'. What comes from a
 shard's snapshot carries a ``Shard`` dimension (its index); summed over it, the worker's
