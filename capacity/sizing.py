@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from llava.kv.memory import session_feature_bytes, session_kv_bytes
 from llava.kv.pool import BLOCK_TOKENS, kv_bytes_per_token
 from llava.model.imageprep import image_aspect_ratio
 from llava.model.prompt import ChatPrompt
+from llava.sessions.persist import Snapshot, entry_bytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class SessionBytes:
     tokens: int
     kv: int  # whole pool blocks (device KV, or the same bytes held in host RAM)
     features: int  # image features in pool blocks (what a features-only session keeps)
+    persisted: int  # its persistent-tier entry on disk (features and history)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Checkpoint:
     opening_tokens: int  # BOS, template and image tokens prefilled at open
     kv_bytes_per_token: int
     feature_bytes: int
+    feature_shape: tuple[int, int]  # (image tokens, hidden): the persistent tier's copy
     refusal: str | None  # None: the engine runs it; else the message its start fails with
 
 
@@ -73,6 +78,7 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype) -> Checkpoint:
         feature_bytes=session_feature_bytes(
             image_tokens, config.text_config.hidden_size, dtype.itemsize, BLOCK_TOKENS * per_token
         ),
+        feature_shape=(image_tokens, config.text_config.hidden_size),
         refusal=refusal(model, prompt),
     )
 
@@ -89,12 +95,21 @@ def refusal(model, prompt: ChatPrompt) -> str | None:
     return None
 
 
+# The persistent tier's copy of the conversation's text, in characters a token (English).
+CHARS_PER_TOKEN = 4
+
+
 def session_bytes(checkpoint: Checkpoint, workload: Workload) -> SessionBytes:
     tokens = checkpoint.opening_tokens + workload.turns * workload.tokens_per_turn
+    # the entry as llava.sessions.persist writes it: ids of 5 digits, the turns' text
+    text = "x" * (CHARS_PER_TOKEN * workload.turns * workload.tokens_per_turn)
+    history = Snapshot(str(uuid.uuid4()), [29_999] * tokens, [{"role": "user", "content": text}],
+                       workload.turns, 1.8e9, 1200.0, "0" * 64)  # fmt: skip
     return SessionBytes(
         tokens=tokens,
         kv=session_kv_bytes(tokens, checkpoint.kv_bytes_per_token, BLOCK_TOKENS),
         features=checkpoint.feature_bytes,
+        persisted=entry_bytes(history, checkpoint.feature_shape, checkpoint.dtype.itemsize),
     )
 
 
@@ -148,6 +163,24 @@ def _gib(n: int) -> str:
     return f"{n / GiB:,.2f} GiB"
 
 
+def persistent_tier_lines(per: SessionBytes, config: EngineConfig) -> list[str]:
+    """Sessions the persistent tier keeps (parked or across a restart) at the caps a start
+    may measure (llava.sessions.persist.persistence: half the directory's file system)."""
+    floor = config.persist_min_bytes
+    caps = [
+        ("Docker's default /dev/shm (64 MB), were it used", 32 * 10**6),
+        (
+            f"the persist_min_bytes floor ({_mib(floor)}): a smaller /dev/shm gives way to"
+            " persist_fallback_dir",
+            floor,
+        ),  # fmt: skip
+    ]
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        caps.append(("this machine's /dev/shm", shutil.disk_usage(shm).total // 2))
+    return [f"    {cap // per.persisted:>9,} sessions in {_mib(cap)}: {what}" for what, cap in caps]
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -177,6 +210,9 @@ def report(
         f"  host KV tier   : {_mib(per.kv)} in host RAM + {_mib(per.features)} on the GPU",
         f"  features only  : {_mib(per.features)} on the GPU (next turn re-prefills"
         f" {per.tokens} tokens)",
+        f"  parked         : {_mib(per.persisted)} in the persistent tier's directory, nothing"
+        f" in memory (text at {CHARS_PER_TOKEN} characters a token)",
+        *persistent_tier_lines(per, config),
         "",
         f"sessions per instance (one worker, one engine shard per GPU; device budget per GPU"
         f" {config.session_budget_fraction:g} x (GPU memory - weights); host tier budget"

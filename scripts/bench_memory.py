@@ -1,8 +1,10 @@
 """Session memory across tiers: what a turn costs where the session's memory was,
 how many sessions each tier holds, and accounted bytes against real ones.
 
-1. Turn latency when the session's KV is on the device, copied back from the host, or
-   recomputed from its image features, at histories of about 600, 2,000 and 8,000 tokens
+1. Turn latency when the session's KV is on the device, copied back from the host,
+   recomputed from its image features, or the session was parked (its features read back
+   from the persistent tier, under /dev/shm here, then the same recompute), at histories of
+   about 600, 2,000 and 8,000 tokens
    (the untrained realistic-shape model of scripts/bench_turns.py, 576 image tokens, its
    position limit raised to 8,704 for the long history: rotary positions have no weights).
 2. Sessions held per tier for a fixed device and host budget: LLaVA-1.5-7B by arithmetic
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from llava.kv.memory import (
 )
 from llava.kv.pool import BLOCK_TOKENS, kv_bytes_per_token
 from llava.model.loading import load_model
+from scripts.bench_persist import scratch_dir
 from scripts.bench_turns import ensure_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,15 +97,15 @@ def latency_table(engine: Engine, image, histories, runs: int, new_tokens: int) 
     )
     print(
         f"{'history':>8} | {'device TTFT':>11} | {'host TTFT':>10} | {'features TTFT':>13} | "
-        f"{'host vs features':>16} | {'device total':>12} | {'host total':>10} | "
-        f"{'features total':>14}"
+        f"{'parked TTFT':>11} | {'host vs features':>16} | {'device total':>12} | "
+        f"{'host total':>10} | {'features total':>14} | {'parked total':>12}"
     )
     for history in histories:
         session_id = grown_session(engine, image, history)
         held = len(engine.store.session(session_id).token_ids)
         seen = {tier: [] for tier in Tier}
         for _ in range(runs):
-            for tier in (Tier.KV, Tier.HOST, Tier.FEATURES):
+            for tier in (Tier.KV, Tier.HOST, Tier.FEATURES, Tier.PERSISTED):
                 ttft, total, found = turn_latency(engine, session_id, tier, new_tokens)
                 assert found is tier, (found, tier)
                 seen[tier].append((ttft, total))
@@ -110,8 +114,9 @@ def latency_table(engine: Engine, image, histories, runs: int, new_tokens: int) 
         ratio = ttft[Tier.FEATURES] / ttft[Tier.HOST]  # inf: recompute passed the deadline
         print(
             f"{held:>8,} | {ttft[Tier.KV]:>11.1f} | {ttft[Tier.HOST]:>10.1f} | "
-            f"{ttft[Tier.FEATURES]:>13.1f} | {ratio:>15.1f}x | {total[Tier.KV]:>12.1f} | "
-            f"{total[Tier.HOST]:>10.1f} | {total[Tier.FEATURES]:>14.1f}"
+            f"{ttft[Tier.FEATURES]:>13.1f} | {ttft[Tier.PERSISTED]:>11.1f} | {ratio:>15.1f}x | "
+            f"{total[Tier.KV]:>12.1f} | {total[Tier.HOST]:>10.1f} | "
+            f"{total[Tier.FEATURES]:>14.1f} | {total[Tier.PERSISTED]:>12.1f}"
         )
         engine.close(session_id)
 
@@ -234,7 +239,8 @@ def main() -> None:
     model_dir = long_context_model(args.model_dir, max(*args.histories, 2000) + 704)
     loaded = load_model(str(model_dir))
     budget = MemoryBudget(device_bytes=4 * GiB, host_bytes=4 * GiB)
-    config = unshared_config(turn_deadline_s=DEADLINE_S)
+    persist_dir = scratch_dir()  # the parked rung reads features back from here
+    config = unshared_config(turn_deadline_s=DEADLINE_S, persist_dir=persist_dir)
     engine = Engine(loaded, config, budget)
     image = held_out_samples(1)[0].image
     engine.ask(grown_session(engine, image, 700), QUESTION)  # warm-up
@@ -245,6 +251,7 @@ def main() -> None:
     )
     latency_table(engine, image, args.histories, args.runs, args.new_tokens)
     engine.stop()
+    shutil.rmtree(persist_dir, ignore_errors=True)
     capacity_table(
         loaded,
         image,

@@ -85,6 +85,20 @@ class Loaded(NamedTuple):
     gone: dict[str, str]
 
 
+def entry_bytes(
+    snapshot: Snapshot, features_shape: tuple[int, int] | None, element_size: int
+) -> int:
+    """What one session's entry takes on disk (what the cap counts): its state as
+    ``snapshot`` and, with an image, features of that shape (for capacity arithmetic)."""
+    model = "0" * 32  # model_identity's length
+    total = len(_pack(STATE, _state_header(model, snapshot, "0" * 2 * _DIGEST), b""))
+    if features_shape is not None:
+        header = _features_header(model, snapshot.session_id, "bfloat16", features_shape)
+        rows, hidden = features_shape
+        total += len(_pack(FEATURES, header, b"")) + rows * hidden * element_size
+    return total
+
+
 def model_identity(model: torch.nn.Module, dtype: torch.dtype) -> str:
     """A hash of the checkpoint's config and its weights' names, sizes and dtype: entries of
     another checkpoint (or of this one loaded in another dtype) are never adopted."""
@@ -211,7 +225,7 @@ class SessionJournal:
             new = _Entry(old.features_bytes, old.features_digest)
             if features_file is not None:
                 new = _Entry(len(features_file), features_file[-_DIGEST:].hex())
-            state = _pack(STATE, self._state_header(snapshot, new.features_digest), b"")
+            state = _pack(STATE, _state_header(self.model, snapshot, new.features_digest), b"")
             new.state_bytes = len(state)
             if self._total - old.total + new.total > self.max_bytes:
                 return self._drop(session_id, f"the directory is full ({self.max_bytes} bytes)")
@@ -282,27 +296,10 @@ class SessionJournal:
     def _path(self, session_id: str, suffix: str) -> Path:
         return self.directory / f"{session_id}{suffix}"
 
-    def _state_header(self, snapshot: Snapshot, features_digest: str | None) -> dict:
-        return {
-            "model": self.model,
-            "sessionId": snapshot.session_id,
-            "tokenIds": snapshot.token_ids,
-            "messages": snapshot.messages,
-            "turns": snapshot.turns,
-            "lastUsedWall": snapshot.last_used_wall,
-            "ttlS": snapshot.ttl_s,
-            "imageKey": snapshot.image_key,
-            "features": features_digest,
-        }
-
     def _features_bytes(self, session_id: str, features: torch.Tensor) -> bytes:
         data = features.detach().to("cpu").contiguous()
-        header = {
-            "model": self.model,
-            "sessionId": session_id,
-            "dtype": str(data.dtype).removeprefix("torch."),
-            "shape": list(data.shape),
-        }
+        dtype = str(data.dtype).removeprefix("torch.")
+        header = _features_header(self.model, session_id, dtype, data.shape)
         return _pack(FEATURES, header, data.view(torch.uint8).numpy().tobytes())
 
     def _on_disk(self, entry: Persisted) -> _Entry:
@@ -415,6 +412,24 @@ class SessionJournal:
         self._total -= self._entries.pop(session_id, _Entry()).total
         for suffix in (STATE, FEATURES):
             self._path(session_id, suffix).unlink(missing_ok=True)
+
+
+def _state_header(model: str, snapshot: Snapshot, features_digest: str | None) -> dict:
+    return {
+        "model": model,
+        "sessionId": snapshot.session_id,
+        "tokenIds": snapshot.token_ids,
+        "messages": snapshot.messages,
+        "turns": snapshot.turns,
+        "lastUsedWall": snapshot.last_used_wall,
+        "ttlS": snapshot.ttl_s,
+        "imageKey": snapshot.image_key,
+        "features": features_digest,
+    }
+
+
+def _features_header(model: str, session_id: str, dtype: str, shape) -> dict:
+    return {"model": model, "sessionId": session_id, "dtype": dtype, "shape": list(shape)}
 
 
 def _image_key(value) -> str | None:

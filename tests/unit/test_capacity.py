@@ -36,6 +36,19 @@ def test_an_opened_session_holds_exactly_the_bytes_capacity_predicts(demo_model)
     assert predicted.kv > 0 and predicted.features > 0
 
 
+def test_a_sessions_persistent_entry_takes_about_what_capacity_predicts(demo_model, tmp_path):
+    """Its features exactly; its history as text at 4 characters a token, 5-digit ids."""
+    config = EngineConfig("-", persist_dir=str(tmp_path))
+    engine = Engine(demo_model, config, MemoryBudget(8 << 20))
+    session_id = engine.open(held_out_samples(1, seed=71_001)[0].image).session_id
+    engine.ask(session_id, "What color is the shape?", {"max_new_tokens": 60})
+    features = (tmp_path / f"{session_id}.features").stat().st_size
+    written = engine.journal.total_bytes
+    predicted = session_bytes(load_checkpoint(str(DEMO_MODEL_DIR), torch.float32), Workload(1, 60))
+    assert features < predicted.persisted
+    assert abs(predicted.persisted - written) <= 0.1 * written, (predicted.persisted, written)
+
+
 def test_llava_15_7b_from_its_config_alone():
     checkpoint = load_checkpoint(str(LLAVA_15), torch.float16)
     assert checkpoint.refusal is None
