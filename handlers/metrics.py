@@ -1,12 +1,13 @@
 """Session metrics for TorchServe's metrics endpoint (auto-detected: config.properties).
 
-Gauges (sessions and bytes per tier: kv, host, features, persisted; the memory budgets; each
-shard's readiness and requests in flight) are set from every engine shard's snapshot after every
-request and after every reaper sweep that freed sessions; counters are emitted as the increase
-since the previous snapshot, so the endpoint's totals match the stores'. What comes from a
-shard's snapshot carries a ``Shard`` dimension (its index); summed over it, the worker's
-totals (docs/engine/scheduling.md §Engine shards). A worker emits a metric by printing a line that
-TorchServe's frontend parses as it arrives, so the reaper's thread can publish too.
+Gauges (sessions per tier: kv, host, features, persisted; bytes per tier of memory; the memory
+budgets; each shard's readiness and requests in flight) are set from every engine shard's
+snapshot after every request and after every reaper sweep that freed sessions; counters are
+emitted as the increase since the previous snapshot, so the endpoint's totals match the stores'.
+What comes from a shard's snapshot carries a ``Shard`` dimension (its index); summed over it,
+the worker's totals (docs/engine/scheduling.md §Engine shards). A worker emits a metric by
+printing a line that TorchServe's frontend parses as it arrives, so the reaper's thread can
+publish too.
 
 Latencies are in seconds: TorchServe 0.12 builds every Prometheus histogram with the client
 library's default buckets (0.005 ... 10), which fit seconds; milliseconds would land in +Inf

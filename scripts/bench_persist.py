@@ -124,9 +124,9 @@ def kill_to_answer(kills: int) -> list[float]:
     """Seconds from SIGKILL of the worker to the first 200 on a session opened before it."""
     if not MAR.exists():
         build_mar(DEMO)
-    root = Path(tempfile.mkdtemp(prefix="bench-persist-ts-"))
+    root, persist_dir = Path(tempfile.mkdtemp(prefix="bench-persist-ts-")), scratch_dir()
     instance = TorchServeInstance.on_free_ports(
-        root, model_store=MAR.parent, env={"LLAVA_PERSIST_DIR": scratch_dir()}
+        root, model_store=MAR.parent, env={"LLAVA_PERSIST_DIR": persist_dir}
     )
     supervisor, stop = Supervisor(instance, log=lambda line: None), threading.Event()
     supervisor.start()
@@ -152,7 +152,7 @@ def kill_to_answer(kills: int) -> list[float]:
             while time.monotonic() - killed < 300:
                 if supervisor.ready() and answered(url, ask, opened):  # as the front forwards
                     break
-                time.sleep(0.1)
+                time.sleep(0.05)
             else:
                 raise RuntimeError("no answer within 300 s of the kill")
             seconds.append(time.monotonic() - killed)
@@ -160,6 +160,7 @@ def kill_to_answer(kills: int) -> list[float]:
         stop.set()
         instance.stop(graceful=False)
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(persist_dir, ignore_errors=True)
     return seconds
 
 

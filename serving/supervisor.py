@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from serving.torchserve import TorchServeError, TorchServeInstance, alive
 
-POLL_S = 0.2
+POLL_S = 0.05  # how soon a dead worker is noticed (a psutil status read: cheap)
 
 
 class RestartLimit(TorchServeError):

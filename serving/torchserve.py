@@ -39,6 +39,7 @@ UNIX_PATH_MAX = 107  # worker sockets are $TMPDIR/.ts.sock.<port>; longer paths 
 # The one line a worker logs when a setting is bad (llava.config.SettingsError): TorchServe
 # would restart that worker forever, so the first one ends the start.
 SETTINGS_ERROR = re.compile(r"SettingsError: (.+)$", re.MULTILINE)
+READY_POLL_S = 0.05  # the management API, asked while a worker loads: a restart waits on it
 
 
 def free_ports(n: int) -> list[int]:
@@ -164,7 +165,7 @@ class TorchServeInstance:
                 raise self._failure("worker crash loop: the worker died loading the model")
             if time.monotonic() > deadline:
                 raise self._failure(f"no READY worker after {timeout:.0f} s")
-            time.sleep(0.25)
+            time.sleep(READY_POLL_S)
 
     def stop(self, timeout: float = 60.0, graceful: bool = True) -> None:
         """Stop gracefully (unless told not to: then at once), then kill whatever of this
@@ -178,12 +179,12 @@ class TorchServeInstance:
                 stdout=subprocess.DEVNULL,
                 check=False,
             )
-        _, alive = psutil.wait_procs(procs, timeout=timeout if graceful else 0)
-        for proc in alive:
+        left = _running_after(procs, timeout if graceful else 0)
+        for proc in left:
             proc.kill()
-        _, alive = psutil.wait_procs(alive, timeout=10)
-        if alive:
-            raise TorchServeError(f"processes left after kill: {[p.pid for p in alive]}")
+        left = _running_after(left, 10)
+        if left:
+            raise TorchServeError(f"processes left after kill: {[p.pid for p in left]}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def java_pid(self) -> int | None:
@@ -264,6 +265,20 @@ def _dead_started_worker(ts: TorchServeInstance) -> int | None:
     except (OSError, ValueError):
         return None
     return pid if ts.java_pid() is not None and not alive(pid) else None
+
+
+def _running_after(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``procs`` still running after at most ``timeout`` s. One that exited is gone
+    even before it is reaped (a zombie's ports and files are closed): a killed worker is an
+    orphan that PID 1 reaps when it gets to it, 1.2 to 2 s later on this machine, a wait that
+    was most of a restart's idle time (docs/serving.md §Supervisor: restart the whole instance)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [p for p in procs if p.is_running() and alive(p.pid)]
+        if not running or time.monotonic() >= deadline:
+            psutil.wait_procs(procs, timeout=0)  # reaps those that are our own children
+            return running
+        time.sleep(0.01)
 
 
 def alive(pid: int) -> bool:

@@ -156,7 +156,7 @@ def test_sessions_survive_a_killed_worker_and_turns_in_flight_get_a_retryable_50
     recovered_s = time.monotonic() - killed_at
     assert instance.worker_pid() not in (None, worker)
     assert first.json()["generation"]["text"] == expected[3]
-    assert first.json()["usage"]["tier"] == "features"  # recomputed from features + history
+    assert first.json()["usage"]["tier"] == "persisted"  # adopted parked: features read back
     assert first.json()["expiresAt"] >= expires_before  # the adopted kept and renewed it
     # every session continues where it was: the two interrupted ones from their last commit
     for session_id in sessions[1:]:

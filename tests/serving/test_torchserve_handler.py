@@ -258,6 +258,10 @@ def test_session_metrics_reach_the_metrics_endpoint(server, images):
             line.startswith("SessionBytes{") and f'Tier="{tier}"' in line
             for line in text.splitlines()
         ), tier
+    assert any(  # parked sessions are counted; they hold no memory
+        line.startswith("SessionsOpen{") and 'Tier="persisted"' in line
+        for line in text.splitlines()
+    )
 
 
 def test_one_worker_with_two_shards_serves_sessions_on_both(tmp_path, images):
