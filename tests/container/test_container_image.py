@@ -223,7 +223,11 @@ def test_a_bad_setting_exits_nonzero_with_one_line(tmp_path):
 def test_a_killed_worker_inside_means_503_then_its_sessions_go_on(tmp_path, sample):
     with Container(lay_out(tmp_path / "model", "mar")) as container:
         container.wait_ready()
-        kept = open_on(container, sample)  # persisted in the container's own /dev/shm
+        kept = open_on(container, sample)
+        # Docker's default /dev/shm (64 MB) is under persist_min_bytes: the tier moved to the
+        # archive's persist_fallback_dir, on the container's own disk
+        listed = docker("exec", container.name, "ls", "/tmp/stateful-llava").stdout.split()
+        assert f"{kept}.state" in listed and f"{kept}.features" in listed
         old = container.ready_worker_pid()
         docker("exec", container.name, "sh", "-c", f"kill -9 {old}")  # the shell's kill
         killed_at = time.monotonic()
