@@ -125,9 +125,9 @@ class SessionStore:
             self._remember(session_id, reason)
 
     def refuse_entry(self, session_id: str, reason: str) -> None:
-        """A previous worker's session this one does not take (EXPIRED meanwhile, or EVICTED
-        for want of room): its entry goes with that reason (noted for a later restart too),
-        and the id is answered with it, as for a session removed here."""
+        """A previous worker's session this one does not take (it EXPIRED while no worker
+        held it): its entry goes with that reason (noted for a later restart too), and the id
+        is answered with it, as for a session removed here."""
         with self._lock:
             self.journal.remove(session_id, reason)
             self._remember(session_id, reason)
