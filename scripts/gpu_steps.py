@@ -338,15 +338,15 @@ def profile(plan: Plan, figures: Figures) -> None:
     first): what a missed speed target needs to be fixed within a GPU lease."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
     from demo_model.synthetic import held_out_samples
 
     engine, _weights = served_7b(plan, figures)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if plan.cuda else [])
     tokens = plan.new_tokens
     forced = {"max_new_tokens": tokens, "min_new_tokens": tokens}
+
+    def turn_of_each(pool, ids: list[str], question: str) -> None:
+        list(pool.map(lambda session_id: engine.ask(session_id, question, forced), ids))
+
     try:
         with torch.inference_mode():
             engine.warm_up()
@@ -354,19 +354,13 @@ def profile(plan: Plan, figures: Figures) -> None:
                 images = [s.image for s in held_out_samples(n, seed=82_000)]
                 ids = [engine.open(image).session_id for image in images]
                 with ThreadPoolExecutor(n) as pool:
-                    list(pool.map(lambda s: engine.ask(s, QUESTIONS[0], forced), ids))  # warm
+                    turn_of_each(pool, ids, QUESTIONS[0])  # warm
                     start = time.perf_counter()
-                    list(pool.map(lambda s: engine.ask(s, QUESTIONS[2], forced), ids))
+                    turn_of_each(pool, ids, QUESTIONS[2])
                     plain = time.perf_counter() - start
-                    start = time.perf_counter()
-                    # started and stopped in the engine loop's thread: the host ops of the
-                    # steps are recorded in the thread that runs them
-                    run = profiler(activities=activities)
-                    engine.loop.call(run.__enter__)
-                    list(pool.map(lambda s: engine.ask(s, QUESTIONS[1], forced), ids))
-                    sync(plan)
-                    engine.loop.call(partial(run.__exit__, None, None, None))
-                    wall = time.perf_counter() - start
+                    run, wall = _profiled(
+                        engine, plan, partial(turn_of_each, pool, ids, QUESTIONS[1])
+                    )
                 for session_id in ids:
                     engine.close(session_id)
                 figures[f"sessions_{n}"] = {"wall_ms_per_step": round(plain * 1e3 / tokens, 2),
@@ -379,12 +373,8 @@ def profile(plan: Plan, figures: Figures) -> None:
 def _profiled_prefill(engine, plan: Plan) -> dict:
     """A turn's prefill alone (one new token) on a session with some history, profiled as
     the decode steps are: what the time to first token of a turn with the session's KV pays."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
     from demo_model.synthetic import held_out_samples
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if plan.cuda else [])
     one_token = {"max_new_tokens": 1, "min_new_tokens": 1}
     session = engine.open(held_out_samples(1, seed=83_000)[0].image).session_id
     for question in QUESTIONS:  # history, and the prefill path warm
@@ -392,16 +382,31 @@ def _profiled_prefill(engine, plan: Plan) -> dict:
     start = time.perf_counter()
     plain = engine.ask(session, QUESTIONS[0], one_token)
     plain_s = time.perf_counter() - start
+    answers = []
+    run, wall = _profiled(
+        engine, plan, lambda: answers.append(engine.ask(session, QUESTIONS[1], one_token))
+    )
+    engine.close(session)
+    return {"new_tokens": answers[0].new_tokens, "ttft_ms": round(plain.ttft_s * 1e3, 2),
+            "turn_ms": round(plain_s * 1e3, 2), **_where_time_went(run, wall, 1)}  # fmt: skip
+
+
+def _profiled(engine, plan: Plan, work) -> tuple:
+    """``work()`` under torch.profiler: (the profile, wall seconds to the device's end). The
+    profiler starts and stops in the engine loop's thread, so the host ops of the steps are
+    recorded in the thread that runs them."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if plan.cuda else [])
     run = profiler(activities=activities)
-    engine.loop.call(run.__enter__)
     start = time.perf_counter()
-    profiled = engine.ask(session, QUESTIONS[1], one_token)
+    engine.loop.call(run.__enter__)
+    work()
     sync(plan)
     wall = time.perf_counter() - start
     engine.loop.call(partial(run.__exit__, None, None, None))
-    engine.close(session)
-    return {"new_tokens": profiled.new_tokens, "ttft_ms": round(plain.ttft_s * 1e3, 2),
-            "turn_ms": round(plain_s * 1e3, 2), **_where_time_went(run, wall, 1)}  # fmt: skip
+    return run, wall
 
 
 def _where_time_went(run, wall_s: float, steps: int) -> dict:
