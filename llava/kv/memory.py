@@ -582,11 +582,10 @@ class MemoryManager:
             steps += [(h, self._move_kv_off_device) for h in idle if h.kv is not None]
             steps += [(h, self._park) for h in idle if h.persisted and h.feature_blocks]
             steps += [(h, self._evict_for_room) for h in idle if not h.persisted]
-        for holding, move in steps:
+        for holding, move in steps:  # each step leaves its holding held: none is evicted twice
             if needed <= pool.free_blocks:
                 return None
-            if not holding.evicted and holding in self._holdings:
-                move(holding)
+            move(holding)
         if needed <= pool.free_blocks:
             return None
         return Shortfall(
@@ -598,7 +597,7 @@ class MemoryManager:
         """Step 1 of ``_make_room``: only if the host tier has room without dropping anyone."""
         if holding.kv is None:
             return
-        nbytes = blocks_for(holding.kv.length, self.pool.block_tokens) * self.pool.bytes_per_block
+        nbytes = len(self._written_blocks(holding.kv)) * self.pool.bytes_per_block
         if self._host_bytes + nbytes <= self.budget.host_bytes:
             self._move_kv_off_device(holding)
 
@@ -606,7 +605,7 @@ class MemoryManager:
         kv, pool = holding.kv, self.pool
         if kv is None:
             return
-        written = kv.blocks[: blocks_for(kv.length, pool.block_tokens)]
+        written = self._written_blocks(kv)
         nbytes = len(written) * pool.bytes_per_block
         with self._retiering(holding):
             if written and self._host_room(nbytes, holding):
@@ -616,6 +615,10 @@ class MemoryManager:
             else:
                 self._count(demoted=1)
             self._drop_kv(holding)
+
+    def _written_blocks(self, kv: SessionKV) -> list[int]:
+        """The blocks holding its written tokens: what a host copy takes."""
+        return kv.blocks[: blocks_for(kv.length, self.pool.block_tokens)]
 
     def _host_room(self, nbytes: int, newcomer: Holding) -> bool:
         """Make room on the host for ``nbytes`` by dropping host copies of sessions used
