@@ -119,7 +119,7 @@ def persistence(config: EngineConfig) -> Location | None:
     """Where the persistent tier lives and how many bytes it may hold, said in one log line
     (None: the tier is off). Unless ``persist_max_bytes`` says, the cap is measured: half the
     directory's file system. Below ``persist_min_bytes`` (Docker's default /dev/shm is 64 MB)
-    ``persist_fallback_dir`` is used instead, if it holds more (docs/engine/sessions.md
+    ``persist_fallback_dir`` is used instead, if it holds at least as much (docs/engine/sessions.md
     §Persistent tier). A directory that cannot be written fails the start (SettingsError)."""
     directory, max_bytes = config.persist_dir, config.persist_max_bytes
     min_bytes, fallback_dir = config.persist_min_bytes, config.persist_fallback_dir
