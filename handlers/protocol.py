@@ -4,7 +4,8 @@ Described in docs/wire.md §Wire contract.
 
 Knows nothing of TorchServe, so it is tested (and fuzzed) on its own. Accepts the seeds'
 client shapes too: ``extSessionID`` in the body (on an open: the id the client wants for its
-new session), ``sampling_params`` for ``parameters``.
+new session), ``sampling_params`` for ``parameters``. Each request type accepts a stated set
+of top-level keys and refuses any other, so nothing a client sends is dropped unread.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from llava.errors import InvalidRequest, echo
+from llava.errors import InvalidRequest, clip, echo
 from llava.intake import parse_image_source
 from llava_wire import CANCEL_TURN, CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_HEADER, session_ids
 
@@ -33,6 +34,7 @@ class AskSession:
     question: Any  # validated by the engine, which owns the limits
     parameters: dict | None
     stream: bool
+    rewind_turns: Any = 0  # drop the session's last N turns first (checked by the engine)
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,24 @@ class CancelTurn:
 Request = OpenSession | AskSession | CloseSession | CancelTurn
 
 # Keys that only mean something when asking: an open that carries them would drop them.
-# ("stream" is let through: an open's reply is one small object either way.)
 _ASK_KEYS = ("inputs", "parameters", "sampling_params")
+
+# The top-level keys each request type reads (docs/wire.md §Request bodies). "stream" is
+# accepted on an open too: its reply is one small object either way.
+ACCEPTED_KEYS = {
+    NEW_SESSION: ("requestType", "image", "extSessionID", "system", "stream"),
+    SESSION: (
+        "requestType",
+        "inputs",
+        "parameters",
+        "sampling_params",
+        "stream",
+        "rewind_turns",
+        "extSessionID",
+    ),
+    CLOSE_SESSION: ("requestType", "extSessionID"),
+    CANCEL_TURN: ("requestType", "extSessionID"),
+}
 
 
 def header(headers: Mapping[str, Any], name: str) -> str | None:
@@ -96,6 +114,7 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
             f"requestType {kind} needs the session id in the {SESSION_HEADER} header",
             code="MISSING_SESSION_ID",
         )
+    _check_keys(payload, kind)
     if kind == CLOSE_SESSION:
         return CloseSession(session_id)
     if kind == CANCEL_TURN:
@@ -105,7 +124,8 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be true or false")
-    return AskSession(session_id, payload["inputs"], _parameters(payload), stream)
+    rewind = payload.get("rewind_turns", 0)
+    return AskSession(session_id, payload["inputs"], _parameters(payload), stream, rewind)
 
 
 def _open(payload: dict, from_header: str | None, from_body: str | None) -> OpenSession:
@@ -124,9 +144,25 @@ def _open(payload: dict, from_header: str | None, from_body: str | None) -> Open
             f'{{"requestType": "SESSION", "inputs": ...}} with the session id in {SESSION_HEADER}',
             code="INPUTS_WITHOUT_SESSION",
         )
+    _check_keys(payload, NEW_SESSION)
     image = payload.get("image")
     source = None if image is None else parse_image_source(image)
     return OpenSession(source, from_body, payload.get("system"))
+
+
+def _check_keys(payload: dict, kind: str) -> None:
+    accepted = ACCEPTED_KEYS[kind]
+    unknown = [key for key in payload if key not in accepted]
+    if not unknown:
+        return
+    hint = ""
+    if kind == SESSION and "image" in unknown:
+        hint = " (a session has the one image it was opened with: open a new session for another)"
+    raise InvalidRequest(
+        f"requestType {kind} does not take {clip(', '.join(map(echo, unknown)))}{hint}; "
+        f"it takes {', '.join(accepted)}",
+        code="UNKNOWN_KEY",
+    )
 
 
 def _parameters(payload: dict) -> dict | None:

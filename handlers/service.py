@@ -139,6 +139,7 @@ class LlavaService:
                 request.parameters,
                 on_token,
                 cancelled=cancelled.is_set,
+                rewind_turns=request.rewind_turns,
             )
         _metrics_never_fail(lambda: self.metrics.turn(answer))
         return _answer_payload(answer)
@@ -217,5 +218,6 @@ def _answer_payload(answer: Answer) -> dict:
             "ttftMs": round(answer.ttft_s * 1000, 2),
             "totalMs": round(answer.total_s * 1000, 2),
         },
+        "turns": answer.turns,
         "expiresAt": _iso(answer.expires_at),
     }

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from llava.config import EngineConfig, SettingsError
-from llava.errors import InvalidRequest
+from llava.errors import InvalidRequest, echo
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 from llava.kv.budget import memory_budget
 from llava.kv.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
@@ -242,6 +242,7 @@ class Engine:
         on_token: Callable[[str, int | None], None] | None = None,
         *,
         cancelled: Callable[[], bool] | None = None,
+        rewind_turns: int = 0,
     ) -> Answer:
         """Answer ``question`` in the session; turns of one session run in arrival order.
 
@@ -251,6 +252,10 @@ class Engine:
         the answer. ``cancelled()`` is polled before every step: when true the turn ends there
         (stop_reason "cancelled"); past ``turn_deadline_s`` it ends too ("deadline"). Either
         way the turn is committed like one cut by max_new_tokens.
+
+        ``rewind_turns``: first drop the session's last N turns (questions and answers), so
+        this answer is the one a session that never had them gives: to regenerate an answer
+        or edit a question (docs/engine/life-of-a-turn.md §Rewinding turns).
         """
         params = GenerationParams.from_mapping(
             parameters,
@@ -258,6 +263,7 @@ class Engine:
             max_new_tokens_limit=self.config.max_new_tokens_limit,
         )
         question = self._check_question(question)
+        _check_rewind(rewind_turns)
         request = TurnRequest(
             self.context,
             self.config.turn_deadline_s,
@@ -266,6 +272,7 @@ class Engine:
             params,
             on_token,
             cancelled,
+            rewind_turns,
         )
         return self.loop.submit(request)
 
@@ -336,3 +343,9 @@ class Engine:
                 f"{self.config.max_question_chars}"
             )
         return question.strip()
+
+
+def _check_rewind(turns) -> None:
+    """The type and sign here; whether the session holds that many turns, at its turn."""
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 0:
+        raise InvalidRequest(f"'rewind_turns' must be an integer >= 0, got {echo(turns)}")

@@ -30,7 +30,15 @@ class LlavaError(Exception):
 
 
 class SessionGone(LlavaError):
-    """The session no longer exists (closed, expired, evicted, or its instance is gone)."""
+    """The session no longer exists (closed, expired, evicted, or its instance is gone).
+
+    Raised by a ``Session`` call, it says what went with it: ``session_id``, ``turns`` (how
+    many turns the session held, None if no reply said) and ``history`` (the turns asked
+    through that object, to re-ask them elsewhere)."""
+
+    session_id: str | None = None
+    turns: int | None = None
+    history: tuple = ()
 
 
 def from_client_error(err: ClientError, with_session: bool) -> LlavaError:

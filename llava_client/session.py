@@ -7,13 +7,14 @@
             print(text, end="")
 
 The session id is the one the endpoint issues (``NewSessionId``), or the caller's own
-(``client.open(image, session_id="ticket-4711")``). A 503 that says when to retry (the
-container's ``KV_MEMORY_FULL``, with ``Retry-After``; ``NOT_READY`` while its worker restarts)
-is sent again after that wait, with jitter, at most ``busy_retries`` times (0: never); a turn
-whose worker died under it (``TURN_INTERRUPTED``) at most once of those. With ``recover=True``
-(the default), a session that is gone (its instance was replaced, it expired or was evicted)
-is re-opened on the same image and its questions are asked again in order, so that the next
-``ask`` continues the conversation; the answers are regenerated (identical under greedy
+(``client.open(image, session_id="ticket-4711")``); ``client.attach(id)`` continues a session
+another process opened. A 503 that says when to retry (the container's ``KV_MEMORY_FULL``, with
+``Retry-After``; ``NOT_READY`` while its worker restarts) is sent again after that wait, with
+jitter, at most ``busy_retries`` times (0: never); a turn whose worker died under it
+(``TURN_INTERRUPTED``) at most once of those. A session that is gone (its instance was
+replaced, it expired or was evicted) raises ``SessionGone`` saying how many turns went with it;
+with ``recover="replay"`` it is re-opened on the same image instead and its questions are asked
+again in order (hidden latency and cost: the answers are regenerated, identical under greedy
 decoding; ``replay_mismatches`` counts those that came out different).
 """
 
@@ -39,6 +40,7 @@ from llava_wire import CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_CLOSED, TURN
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+RECOVERY = ("raise", "replay")  # what a session that is gone does: docs/client.md §Recovery
 
 
 @dataclass(frozen=True)
@@ -62,19 +64,24 @@ class LlavaClient:
     ``busy_retries``: how many times a call refused with a 503 and a ``Retry-After`` is sent
     again (0 turns it off); each wait is the server's ``Retry-After``, at most
     ``max_retry_wait_s``, stretched by up to half again at random so that callers refused
-    together do not all come back at the same instant."""
+    together do not all come back at the same instant.
+
+    ``recover``: ``"raise"`` (the default) raises ``SessionGone`` when a session is gone;
+    ``"replay"`` re-opens it on its image and asks its questions again first."""
 
     def __init__(
         self,
         endpoint_name: str,
         runtime=None,
-        recover: bool = True,
+        recover: str = "raise",
         busy_retries: int = 3,
         max_retry_wait_s: float = 10.0,
         **client_kwargs,
     ):
         if busy_retries < 0 or max_retry_wait_s < 0:
             raise ValueError("busy_retries and max_retry_wait_s must be >= 0")
+        if recover not in RECOVERY:
+            raise ValueError(f"recover must be one of {', '.join(RECOVERY)}, not {recover!r}")
         self.endpoint_name = endpoint_name
         self.runtime = runtime or boto3.client("sagemaker-runtime", **client_kwargs)
         self.recover = recover
@@ -92,7 +99,16 @@ class LlavaClient:
         ``system``: the session's system prompt (by default the server's ``system_prompt``).
         """
         source = image_source(image)
-        return Session(self, *self._open(source, session_id, system), source, system)
+        session = Session(self, *self._open(source, session_id, system), source, system)
+        session.turns = 0
+        return session
+
+    def attach(self, session_id: str, expires_at: str | None = None) -> Session:
+        """The session ``session_id``, opened by another process (another web worker of the
+        same backend): ask, stream, rewind and close it from here. Nothing is sent until its
+        first call. Its image and earlier turns are unknown here, so it cannot be replayed:
+        if it is gone, its calls raise ``SessionGone`` whatever ``recover`` says."""
+        return Session(self, session_id, expires_at, image=None, replayable=False)
 
     def _open(
         self, source: dict | None, session_id: str | None = None, system: str | None = None
@@ -169,25 +185,43 @@ class Session:
         expires_at: str,
         image: dict | None,
         system: str | None = None,
+        replayable: bool = True,
     ):
         self.client = client
         self.id = session_id
         self.expires_at = expires_at
-        self.history: list[Turn] = []
+        self.history: list[Turn] = []  # the turns asked through this object that the session holds
+        self.turns: int | None = None  # the turns the session holds, as its last reply said
         self.recoveries = 0
         self.replay_mismatches = 0
         self.closed = False
         self._image, self._system = image, system  # kept to re-open on recovery
+        self._replayable = replayable
 
-    def ask(self, question: str, **parameters) -> Answer:
-        """Ask and wait for the whole answer (``parameters``: max_new_tokens, temperature...)."""
-        answer = self._recovering(lambda: self._ask_once(question, parameters))
-        self.history.append(Turn(question, answer.text, parameters))
+    def ask(self, question: str, *, rewind_turns: int = 0, **parameters) -> Answer:
+        """Ask and wait for the whole answer (``parameters``: max_new_tokens, temperature...).
+        ``rewind_turns``: drop the session's last N turns first (see ``edit_last``)."""
+        answer = self._recovering(lambda: self._ask_once(question, parameters, rewind_turns))
+        self._record(Turn(question, answer.text, parameters), rewind_turns, answer.reply)
         return answer
 
-    def ask_stream(self, question: str, **parameters) -> Iterator[str]:
+    def regenerate(self, **parameters) -> Answer:
+        """Answer the last question again, as if its first answer had never been given (with
+        sampling parameters, or after a sampled answer went astray)."""
+        if not self.history:
+            raise ValueError(
+                f"no question was asked through this object in session {self.id}: "
+                "use edit_last(question) to ask one in place of the session's last"
+            )
+        return self.ask(self.history[-1].question, rewind_turns=1, **parameters)
+
+    def edit_last(self, question: str, **parameters) -> Answer:
+        """Ask ``question`` in place of the last question: its turn is dropped first."""
+        return self.ask(question, rewind_turns=1, **parameters)
+
+    def ask_stream(self, question: str, *, rewind_turns: int = 0, **parameters) -> Iterator[str]:
         """Ask and yield the answer's text as it arrives (InvokeEndpointWithResponseStream)."""
-        body = _ask_body(question, parameters) | {"stream": True}
+        body = _ask_body(question, parameters, rewind_turns) | {"stream": True}
         events = self._recovering(lambda: self.client._stream(body, self._live_id()))
         lines, final = JsonLines(), None
         try:
@@ -205,7 +239,7 @@ class Session:
         lines.close()
         if final is None:
             raise LlavaError("STREAM_INCOMPLETE", "the stream ended without the final reply")
-        self.history.append(Turn(question, final["generation"]["text"], parameters))
+        self._record(Turn(question, final["generation"]["text"], parameters), rewind_turns, final)
 
     def close(self) -> None:
         """End the session and free its memory on the server; closing twice is fine."""
@@ -221,10 +255,19 @@ class Session:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _ask_once(self, question: str, parameters: dict) -> Answer:
-        reply = self.client._invoke(_ask_body(question, parameters), self._live_id())
+    def _ask_once(self, question: str, parameters: dict, rewind_turns: int = 0) -> Answer:
+        body = _ask_body(question, parameters, rewind_turns)
+        reply = self.client._invoke(body, self._live_id())
         payload = json.loads(reply["Body"].read())
         return Answer(payload["generation"]["text"], payload, reply["ResponseMetadata"])
+
+    def _record(self, turn: Turn, rewind_turns: int, reply: dict) -> None:
+        """The session dropped its last ``rewind_turns`` turns, then took ``turn``."""
+        if rewind_turns:
+            del self.history[max(len(self.history) - rewind_turns, 0) :]
+        self.history.append(turn)
+        self.turns = reply.get("turns", self.turns)
+        self.expires_at = reply.get("expiresAt", self.expires_at)
 
     def _live_id(self) -> str:
         if self.closed:
@@ -235,11 +278,29 @@ class Session:
         try:
             return call()
         except SessionGone as gone:
-            if not self.client.recover or self.closed:
+            if self.closed:
                 raise
+            if self.client.recover != "replay" or not self._replayable:
+                raise self._what_was_lost(gone) from gone
             logger.warning("session %s is gone (%s): re-opening and replaying", self.id, gone)
             self._reopen()
             return call()
+
+    def _what_was_lost(self, gone: SessionGone) -> SessionGone:
+        turns = self.turns if self.turns is not None else "its"
+        how = (
+            'LlavaClient(recover="replay") re-opens it and asks its questions again'
+            if self._replayable
+            else "it was attached, so only its opener knows its image"
+        )
+        lost = SessionGone(
+            gone.code,
+            f"{gone.message}; session {self.id} is gone with {turns} turns: open a new session "
+            f"({how})",
+            gone.status,
+        )
+        lost.session_id, lost.turns, lost.history = self.id, self.turns, tuple(self.history)
+        return lost
 
     def _reopen(self) -> None:
         self.id, self.expires_at = self.client._open(self._image, system=self._system)
@@ -248,11 +309,14 @@ class Session:
             answer = self._ask_once(turn.question, turn.parameters)
             self.replay_mismatches += answer.text != turn.answer
             replayed.append(Turn(turn.question, answer.text, turn.parameters))
-        self.history = replayed  # what the new session now holds
+        self.history, self.turns = replayed, len(replayed)  # what the new session now holds
         self.recoveries += 1
 
 
-def _ask_body(question: str, parameters: dict) -> dict:
-    return {"requestType": SESSION, "inputs": question} | (
-        {"parameters": parameters} if parameters else {}
-    )
+def _ask_body(question: str, parameters: dict, rewind_turns: int = 0) -> dict:
+    body = {"requestType": SESSION, "inputs": question}
+    if parameters:
+        body["parameters"] = parameters
+    if rewind_turns:
+        body["rewind_turns"] = rewind_turns
+    return body

@@ -30,9 +30,17 @@ def opening_messages(system: str | None) -> list[dict]:
     return [system_message(system)] if system else []
 
 
-def asked_yet(messages: list[dict]) -> bool:
-    """Whether the conversation has a question yet (the first carries the image)."""
-    return any(message["role"] == "user" for message in messages)
+def questions_asked(messages: list[dict]) -> int:
+    """How many turns the conversation holds (each a question and, once answered, its answer)."""
+    return sum(message["role"] == "user" for message in messages)
+
+
+def without_last_turns(messages: list[dict], turns: int) -> list[dict]:
+    """The conversation as it was before its last ``turns`` questions were asked."""
+    if turns == 0:
+        return messages
+    starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    return messages[: starts[-turns]]
 
 
 def user_message(text: str, with_image: bool = False) -> dict:

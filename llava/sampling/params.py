@@ -12,11 +12,15 @@ from llava.errors import InvalidRequest, clip, echo
 # client (``max_new_token``) send.
 _ALIASES = {"max_tokens": "max_new_tokens", "max_new_token": "max_new_tokens"}
 _KNOWN = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed"}
+# Sending any of these asks for sampling unless ``do_sample`` says otherwise, as OpenAI-style
+# clients expect (they send ``temperature`` alone).
+_SAMPLING = ("temperature", "top_p", "top_k")
 
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """``temperature == 0`` or ``do_sample == False`` means greedy decoding."""
+    """``temperature == 0`` or ``do_sample == False`` means greedy decoding. On the wire,
+    ``do_sample`` defaults to whether a sampling parameter was sent."""
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0  # eos is suppressed until this many ids were generated
@@ -57,7 +61,7 @@ class GenerationParams:
             temperature=_float(values, "temperature", 1.0, 0.0, 100.0),
             top_p=_float(values, "top_p", 1.0, 1e-6, 1.0),
             top_k=_int(values, "top_k", 0, 0, 1_000_000),
-            do_sample=_bool(values, "do_sample", False),
+            do_sample=_bool(values, "do_sample", any(name in values for name in _SAMPLING)),
             seed=_int(values, "seed", None, 0, 2**63 - 1),
         )
 

@@ -25,11 +25,12 @@ from llava.kv.memory import Holding, MemoryManager, Shortfall, Tier
 from llava.kv.prefix import block_keys
 from llava.model.prompt import (
     ChatPrompt,
-    asked_yet,
     assistant_message,
     common_prefix_length,
     opening_messages,
+    questions_asked,
     user_message,
+    without_last_turns,
 )
 from llava.sampling.chooser import Chooser
 from llava.sampling.detokenizer import Detokenizer
@@ -139,6 +140,7 @@ class Answer:
     new_tokens: int  # prefilled this turn
     cached_tokens: int  # reused from the session's KV cache
     tier: Tier  # the session's tier when the turn started
+    turns: int  # the session's turns with this one (fewer than before after a rewind)
     ttft_s: float  # from the ask to its first token
     total_s: float
     expires_at: datetime
@@ -311,10 +313,12 @@ class TurnRequest(_Request):
         params: GenerationParams,
         on_token: Callable[[str, int | None], None] | None,
         cancelled: Callable[[], bool] | None,
+        rewind_turns: int = 0,
     ):
         super().__init__(context, deadline_s)
         self.order_key = session_id
         self.question = question
+        self.rewind_turns = rewind_turns
         self.params = params
         self.on_token = on_token
         self.cancelled = cancelled
@@ -337,8 +341,9 @@ class TurnRequest(_Request):
             if self.tier is None:
                 self.tier = session.tier
             image_tokens = session.image_tokens
-            first_has_image = image_tokens > 0 and not asked_yet(session.messages)
-            self.messages = [*session.messages, user_message(self.question, first_has_image)]
+            kept = self._kept_messages(session)
+            first_has_image = image_tokens > 0 and not questions_asked(kept)
+            self.messages = [*kept, user_message(self.question, first_has_image)]
             self.prompt = context.prompt.ids(self.messages, image_tokens)
             total = len(self.prompt) + self.params.max_new_tokens
             context.check_length(total)
@@ -364,6 +369,17 @@ class TurnRequest(_Request):
         prompt, reused = self.prompt, self.reused
         self.feed = context.feed(holding, prompt[:reused], prompt[reused:], self.features)
         return None
+
+    def _kept_messages(self, session: Session) -> list[dict]:
+        """The conversation this turn follows: the session's, less the turns it rewinds. Their
+        KV needs no special care: ``_reuse`` keeps only the prefix the new prompt shares."""
+        held = questions_asked(session.messages)
+        if self.rewind_turns > held:
+            raise InvalidRequest(
+                f"'rewind_turns' is {self.rewind_turns} but the session holds {held} turns",
+                code="REWIND_PAST_START",
+            )
+        return without_last_turns(session.messages, self.rewind_turns)
 
     def _parked_features(self, session: Session) -> torch.Tensor | None:
         """A parked session's features: its image's, if the pool holds them, else read back
@@ -430,7 +446,7 @@ class TurnRequest(_Request):
         answer_ids = generated[:-1] if reason == EOS else generated
         session.token_ids = self.prompt + answer_ids
         session.messages = [*self.messages, assistant_message(text)]
-        session.turns += 1
+        session.turns = questions_asked(session.messages)
         memory.crop(session.holding, session.kv.length)  # the blocks reserved but not written
         self.context.publish(session)
         self.context.persist(session)
@@ -448,6 +464,7 @@ class TurnRequest(_Request):
                 new_tokens=len(self.prompt) - self.reused,
                 cached_tokens=self.reused,
                 tier=self.tier,
+                turns=session.turns,
                 ttft_s=(self.first_token_at or now) - self.arrived,
                 total_s=now - self.arrived,
                 expires_at=store.expires_at(session),  # the turn restarted the idle clock

@@ -8,8 +8,11 @@ one instance down for good.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +22,7 @@ from botocore.exceptions import ClientError
 
 from llava_client import LlavaClient, LlavaError, SessionGone
 from serving.torchserve import TorchServeInstance
+from tests.conftest import REPO
 from tests.endpoint_helpers import ENDPOINT, ShapeImages, start_endpoint
 
 pytestmark = pytest.mark.torchserve
@@ -241,7 +245,64 @@ def test_a_stream_cannot_open_a_session(rt):
     assert raised.value.response["Error"]["Code"] == "ValidationError"
 
 
-def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, client, images):
+def test_each_worker_runs_torch_on_its_share_of_the_cores(endpoint):
+    """Through TorchServe's Java to the Python worker: instances that each ran a thread per
+    core fought over them (docs/performance.md §Endpoint instances and cores)."""
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    workers = [psutil.Process(ts.worker_pid()) for ts in endpoint.instances_started]
+    assert [worker.environ()["OMP_NUM_THREADS"] for worker in workers] == [share, share]
+
+
+ATTACH_AND_EDIT = """
+import json, sys
+from llava_client import LlavaClient
+from tests.endpoint_helpers import DUMMY_CREDENTIALS, ENDPOINT
+url, session_id, question = sys.argv[1:]
+chat = LlavaClient(ENDPOINT, endpoint_url=url, **DUMMY_CREDENTIALS).attach(session_id)
+answer = chat.edit_last(question, max_new_tokens=8)
+print(json.dumps({"text": answer.text, "turns": chat.turns}))
+"""
+
+
+def test_a_session_is_regenerated_here_and_edited_from_another_process(endpoint, client, images):
+    """A backend's second web worker attaches by id alone; every rewound answer equals the
+    one a session that never had the dropped turn gives (greedy)."""
+    chat = client.open(images.url(0))
+    chat.ask("What shape is it?", max_new_tokens=8)
+    chat.ask("Say that again.", max_new_tokens=8, temperature=8.0, seed=3)  # astray
+    control = client.open(images.url(0))
+    control.ask("What shape is it?", max_new_tokens=8)
+
+    regenerated = chat.regenerate(max_new_tokens=8)
+    assert regenerated.text == control.ask("Say that again.", max_new_tokens=8).text
+    assert regenerated.reply["turns"] == 2 and regenerated.reply["usage"]["cachedTokens"] > 0
+
+    question = "What color is the shape?"
+    worker = subprocess.run(
+        [sys.executable, "-c", ATTACH_AND_EDIT, endpoint.url, chat.id, question],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    edited = json.loads(worker.stdout)
+    control.close()
+    control = client.open(images.url(0))
+    control.ask("What shape is it?", max_new_tokens=8)
+    expected = control.ask(question, max_new_tokens=8).text
+    assert edited == {"text": expected, "turns": 2} and expected == images.samples[0].color
+
+    streamed = "".join(chat.ask_stream("And its shape?", rewind_turns=1, max_new_tokens=8))
+    assert streamed == control.edit_last("And its shape?", max_new_tokens=8).text
+    with pytest.raises(LlavaError) as refused:
+        chat.ask("Hi", rewind_turns=3)
+    assert (refused.value.code, refused.value.status) == ("REWIND_PAST_START", 400)
+    chat.close()
+    control.close()
+
+
+def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, images):
     """Two ways to lose sessions, the client's recovery, and the bystanders untouched.
 
     A. instance-0 dies altogether: the endpoint forgets its sessions (ValidationError with
@@ -251,6 +312,7 @@ def test_a_lost_session_fails_cleanly_and_the_client_recovers_it(endpoint, rt, c
        (serving/supervisor.py) and the router counts its sessions lost at once.
     """
     truths = [images.samples[i % 3] for i in range(4)]
+    client = LlavaClient(ENDPOINT, runtime=rt, recover="replay")
     chats = [client.open(images.url(i % 3)) for i in range(4)]
     answers = [chat.ask("What color is the shape?") for chat in chats]
     assert [a.text for a in answers] == [t.color for t in truths]

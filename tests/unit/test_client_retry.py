@@ -11,80 +11,31 @@ from __future__ import annotations
 
 import json
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
 
-from llava_client import LlavaClient, LlavaError
+from llava_client import LlavaError
 from local_endpoint.router import Backend, Router
 from local_endpoint.server import EndpointServer
 from serving.torchserve import free_ports
 from tests import loopback
 from tests.endpoint_helpers import DUMMY_CREDENTIALS, ENDPOINT
-
-BUSY = (
-    503,
-    {"Retry-After": "1"},
-    {"error": {"code": "KV_MEMORY_FULL", "message": "busy", "retryAfterS": 0.2}},
+from tests.scripted_container import (
+    ANSWERED,
+    BAD,
+    BUSY,
+    OPENED,
+    ScriptedContainer,
+    behind_an_endpoint,
+    client_for,
 )
-OPENED = (
-    200,
-    {"X-Amzn-SageMaker-New-Session-Id": "s-1; Expires=2030-01-01T00:00:00Z"},
-    {"sessionId": "s-1"},
-)
-ANSWERED = (200, {}, {"generation": {"text": "a circle"}, "usage": {}})
-BAD = (413, {}, {"error": {"code": "IMAGE_TOO_LARGE", "message": "too big"}})
-
-
-class ScriptedContainer:
-    """Answers POST /invocations with the next reply of ``script``; counts what it got."""
-
-    def __init__(self):
-        self.script: list[tuple[int, dict, dict]] = []
-        self.calls = 0
-        self.bodies: list[dict] = []
-        container = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                container.bodies.append(json.loads(body))
-                container.calls += 1
-                status, headers, body = container.script.pop(0)
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                for name, value in {"Content-Type": "application/json", **headers}.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        loopback.start(self.httpd)
 
 
 @pytest.fixture
 def container():
-    container = ScriptedContainer()
-    router = Router([Backend("instance-0", container.url, ready=lambda: True)])
-    endpoint = EndpointServer(("127.0.0.1", 0), ENDPOINT, router)
-    loopback.start(endpoint)
-    container.endpoint_url = f"http://127.0.0.1:{endpoint.server_address[1]}"
-    yield container
-    loopback.stop(endpoint)
-    loopback.stop(container.httpd)
-
-
-def client_for(container, **options) -> LlavaClient:
-    rt = boto3.client("sagemaker-runtime", endpoint_url=container.endpoint_url, **DUMMY_CREDENTIALS)
-    return LlavaClient(ENDPOINT, runtime=rt, **options)
+    with behind_an_endpoint() as container:
+        yield container
 
 
 def test_a_busy_turn_is_sent_again_after_the_wait_the_server_gave(container):
@@ -164,7 +115,7 @@ def test_an_open_that_meets_a_restarting_instance_leaves_its_sessions_alone():
 def test_a_system_prompt_is_sent_at_open_and_again_when_the_session_is_reopened(container):
     gone = (400, {}, {"error": {"code": "SESSION_EXPIRED", "message": "expired"}})
     container.script = [OPENED, gone, OPENED, ANSWERED]
-    chat = client_for(container).open(system="Be brief.")
+    chat = client_for(container, recover="replay").open(system="Be brief.")
     chat.ask("Hi")
     opens = [b for b in container.bodies if b["requestType"] == "NEW_SESSION"]
     assert [b.get("system") for b in opens] == ["Be brief.", "Be brief."]

@@ -163,6 +163,19 @@ def test_seeded_sampling_is_reproducible(engine, sample):
     assert answers[0] == answers[1]
 
 
+def test_a_temperature_alone_samples_and_do_sample_false_stays_greedy(engine, sample):
+    """OpenAI-style clients send ``temperature`` alone and expect sampling."""
+
+    def answer(params):
+        session_id = engine.open(sample.image).session_id
+        return engine.ask(session_id, "What is in the picture?", params | {"seed": 5}).token_ids
+
+    hot = {"temperature": 8.0, "max_new_tokens": 8}
+    greedy = answer({"max_new_tokens": 8})
+    assert answer(hot) == answer(hot | {"do_sample": True}) != greedy
+    assert answer(hot | {"do_sample": False}) == greedy
+
+
 @pytest.mark.parametrize(
     "question, parameters",
     [

@@ -25,3 +25,20 @@ def test_an_unknown_parameter_is_refused_with_the_known_names():
         GenerationParams.from_mapping({"max_length": 64}, **LIMITS)
     assert "max_length" in err.value.message
     assert "max_new_tokens" in err.value.message and "temperature" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("sent", "greedy"),
+    [
+        ({}, True),
+        ({"seed": 3}, True),
+        ({"temperature": 0.7}, False),
+        ({"top_p": 0.9}, False),
+        ({"top_k": 40}, False),
+        ({"temperature": 0}, True),
+        ({"temperature": 0.7, "do_sample": False}, True),
+        ({"do_sample": True}, False),
+    ],
+)
+def test_a_sampling_parameter_asks_for_sampling_unless_do_sample_is_false(sent, greedy):
+    assert GenerationParams.from_mapping(sent, **LIMITS).greedy is greedy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from datetime import UTC, datetime
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from handlers.errors import STATUS_BY_ERROR, error_response
 from handlers.protocol import (
+    ACCEPTED_KEYS,
     SESSION_HEADER,
     AskSession,
     CancelTurn,
@@ -23,6 +25,7 @@ from handlers.protocol import (
 from llava import errors
 from llava.errors import EngineError, InvalidRequest
 from llava.sampling.params import GenerationParams
+from tests.seed_client import LlavaChatSession
 from tests.strategies import json_values
 
 SID = "3f2a-9b7c-0d1e"
@@ -79,6 +82,68 @@ def test_the_seeds_client_shapes_are_accepted():
     assert parse_request(body, {}) == AskSession(SID, "Hi", {"max_new_tokens": 4}, True)
     close = {"requestType": "CLOSE_SESSION", "extSessionID": SID}
     assert parse_request(close, {}) == CloseSession(SID)
+
+
+class RecordingRuntime:
+    """Stands in for boto3's sagemaker-runtime client to capture what the seeds' client sends
+    (its real calls against our endpoint: tests/serving/test_seed_client.py)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def invoke_endpoint(self, **call):
+        self.calls.append(call)
+        return {"Body": io.BytesIO(b'{"generation": {"text": "a cross"}}')}
+
+
+def test_every_request_the_seeds_client_sends_is_accepted_verbatim():
+    client = LlavaChatSession("llava", endpoint_url="http://127.0.0.1:1")
+    client.runtime = RecordingRuntime()
+    client.start("https://example.com/cat.png")
+    client.ask("What shape is it?", max_new_token=12)
+    client.end()
+    opened, asked, closed = (
+        parse_request(call["Body"], {SESSION_HEADER: call["SessionId"]})
+        for call in client.runtime.calls
+    )
+    assert opened == OpenSession({"url": "https://example.com/cat.png"}, client.session_id)
+    sid = client.session_id
+    assert asked == AskSession(sid, "What shape is it?", {"max_new_token": 12}, stream=False)
+    assert closed == CloseSession(sid)
+
+
+@pytest.mark.parametrize(
+    ("body", "refused"),
+    [
+        ({"requestType": "NEW_SESSION", "imgae": {"url": "https://x.test/a.png"}}, "'imgae'"),
+        ({"requestType": "NEW_SESSION", "max_new_tokens": 5}, "'max_new_tokens'"),
+        ({"requestType": "SESSION", "inputs": "Hi", "image": {"b64": "AA=="}}, "'image'"),
+        ({"requestType": "SESSION", "inputs": "Hi", "temperature": 0.7}, "'temperature'"),
+        ({"requestType": "CLOSE_SESSION", "inputs": "Hi"}, "'inputs'"),
+        ({"requestType": "CANCEL_TURN", "stream": True}, "'stream'"),
+    ],
+)
+def test_a_key_the_request_type_does_not_take_is_a_400_naming_it_and_the_accepted_ones(
+    body, refused
+):
+    with pytest.raises(InvalidRequest) as err:
+        parse_request(body, {SESSION_HEADER: SID} if body["requestType"] != "NEW_SESSION" else {})
+    assert err.value.code == "UNKNOWN_KEY" and STATUS_BY_ERROR[InvalidRequest] == 400
+    accepted = ", ".join(ACCEPTED_KEYS[body["requestType"]])
+    assert f"does not take {refused}" in err.value.message
+    assert err.value.message.endswith(f"it takes {accepted}")
+
+
+def test_an_image_sent_with_a_question_is_told_where_images_go():
+    body = {"requestType": "SESSION", "inputs": "And this one?", "image": {"b64": "AA=="}}
+    with pytest.raises(InvalidRequest, match="open a new session for another"):
+        parse_request(body, {SESSION_HEADER: SID})
+
+
+def test_a_rewind_goes_to_the_engine_as_sent():
+    body = {"requestType": "SESSION", "inputs": "Hi", "rewind_turns": 2}
+    request = parse_request(body, {SESSION_HEADER: SID})
+    assert request == AskSession(SID, "Hi", None, False, rewind_turns=2)
 
 
 def test_cancel_turn_names_the_session_like_close():
