@@ -7,6 +7,9 @@ name plus a UTC timestamp (so a redeploy never collides with what is still in us
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -19,6 +22,9 @@ from sagemaker.core.shapes import (
     ProductionVariant,
     S3ModelDataSource,
 )
+from sagemaker.core.utils.exceptions import FailedStatusError, TimeoutExceededError
+
+from serving.emf import ENDPOINT_ENV
 
 # SageMaker's upper bound for both timeouts (ProductionVariant), in seconds.
 MAX_TIMEOUT_S = 3600
@@ -54,6 +60,8 @@ class DeploySpec:
             )
         if self.instance_count < 1:
             raise ValueError("instance count must be at least 1")
+        if ENDPOINT_ENV in self.environment:
+            raise ValueError(f"{ENDPOINT_ENV} is the endpoint's name, set by deploy: leave it out")
         for name, seconds in (
             ("startup", self.startup_timeout_s),
             ("download", self.download_timeout_s),
@@ -62,8 +70,13 @@ class DeploySpec:
                 raise ValueError(f"{name} timeout must be 60..{MAX_TIMEOUT_S} s, not {seconds}")
 
     def container_environment(self) -> dict[str, str]:
-        # The container gives up just before SageMaker does, so the reason is in its log.
-        return {"SERVE_STARTUP_TIMEOUT_S": str(self.startup_timeout_s - 30), **self.environment}
+        # The container gives up just before SageMaker does, so the reason is in its log; the
+        # endpoint's name tells its metrics from other endpoints' (SageMaker does not tell it).
+        return {
+            "SERVE_STARTUP_TIMEOUT_S": str(self.startup_timeout_s - 30),
+            **self.environment,
+            ENDPOINT_ENV: self.endpoint_name,
+        }
 
     def model_data_source(self) -> ModelDataSource:
         prefix = self.model_data.endswith("/")
@@ -148,7 +161,7 @@ def create(
                 found.delete()
         raise
     if wait:
-        endpoint.wait_for_status("InService", poll=15, timeout=wait_timeout_s)
+        wait_in_service(endpoint, wait_timeout_s)
     endpoint.refresh()
     return Deployed(
         spec.endpoint_name,
@@ -156,6 +169,50 @@ def create(
         (model.model_name,),
         endpoint.endpoint_status,
     )
+
+
+# Flushed: through a pipe (a notebook cell, a CI log) each line shows as it is said.
+_say_at_once = functools.partial(print, flush=True)
+
+
+def wait_in_service(
+    endpoint: Endpoint,
+    timeout_s: float,
+    poll_s: float = 15,
+    report_s: float = 60,
+    say: Callable[[str], None] = _say_at_once,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Poll until the endpoint is InService, saying its status and the time waited whenever the
+    status changes and at least every ``report_s``: a start may take most of an hour, and
+    sagemaker-core's own waiter draws a live panel that a log or a notebook cell never shows.
+
+    Raises sagemaker-core's ``FailedStatusError`` (with SageMaker's reason) on a failed status
+    and ``TimeoutExceededError`` past ``timeout_s``, as its waiter does.
+    """
+    started = clock()
+    said: tuple[str, float] | None = None  # the status last said, and when
+    while True:
+        endpoint.refresh()
+        status, waited = endpoint.endpoint_status, clock() - started
+        if said is None or status != said[0] or waited - said[1] >= report_s:
+            say(f"endpoint {endpoint.endpoint_name}: {status} after {_duration(waited)}")
+            said = (status, waited)
+        if status == "InService":
+            return
+        if "failed" in status.lower():
+            raise FailedStatusError(
+                resource_type="Endpoint", status=status, reason=endpoint.failure_reason
+            )
+        if waited >= timeout_s:
+            raise TimeoutExceededError(resource_type="Endpoint", status=status)
+        sleep(poll_s)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
 def delete(endpoint_name: str, session: boto3.Session | None = None) -> list[str]:

@@ -35,6 +35,7 @@ entrypoint's own settings, all overridable so that tests run it unprivileged on 
     SERVE_RESTART_WINDOW_S   600          ... this many seconds; one more worker death: exit 1
     SERVE_METRICS_INTERVAL_S 60           EMF lines at least this often (0: none at all)
     SERVE_METRICS_NAMESPACE  StatefulLlava  their CloudWatch namespace
+    SERVE_ENDPOINT_NAME      local        their Endpoint dimension (python -m deploy sets it)
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from llava.config import (
     load_config,
     unknown_env_names,
 )
-from serving.emf import NAMESPACE, EmfReporter
+from serving.emf import LOCAL_ENDPOINT, NAMESPACE, EmfReporter, endpoint_name
 from serving.front import Front
 from serving.mar import build_mar
 from serving.supervisor import RestartLimit, Supervisor
@@ -88,10 +89,15 @@ class Settings:
     restart_window_s: float = 600.0
     metrics_interval_s: float = 60.0
     metrics_namespace: str = NAMESPACE
+    endpoint_name: str = LOCAL_ENDPOINT
 
     @classmethod
     def from_env(cls, environ: dict[str, str]) -> Settings:
         defaults = cls()
+        try:
+            endpoint = endpoint_name(environ)  # its message names the variable
+        except ValueError as e:
+            raise SettingError(str(e)) from None
         try:
             ports = environ.get("SERVE_TS_PORTS")
             settings = cls(
@@ -116,6 +122,7 @@ class Settings:
                 metrics_namespace=environ.get(
                     "SERVE_METRICS_NAMESPACE", defaults.metrics_namespace
                 ),
+                endpoint_name=endpoint,
             )
         except ValueError as e:
             raise SettingError(f"bad SERVE_* setting: {e}") from None
@@ -230,6 +237,7 @@ def _report_metrics(settings: Settings, metrics_port: int, name: str, done: thre
         name,
         settings.metrics_interval_s,
         settings.metrics_namespace,
+        endpoint=settings.endpoint_name,
     )
     reporter.run(done, poll_s=min(1.0, settings.metrics_interval_s))
 

@@ -11,11 +11,14 @@ publish too.
 
 Latencies are in seconds: TorchServe 0.12 builds every Prometheus histogram with the client
 library's default buckets (0.005 ... 10), which fit seconds; milliseconds would land in +Inf
-(docs/serving.md §Latency metrics in seconds).
+(docs/serving.md §Latency metrics in seconds). Past 10 s those buckets say nothing, so each turn
+is also counted in a ``...Binned`` counter under its latency rounded to 20 steps a decade: the
+container's percentiles come from those (serving/emf.py).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 from ts.metrics.metric_type_enum import MetricTypes
@@ -40,6 +43,18 @@ _COUNTERS = {
     ("runner", "graph_capture_failures"): "GraphCaptureFailures",
 }
 
+# Latency bins: 10^(k/20) s for k in -60..39 (1 ms to 89 s), each within 6 % of what it holds.
+# At most 100 values: what one EMF line may carry for one metric.
+_BIN_STEPS = 20
+_BIN_RANGE = (-60, 39)
+
+
+def latency_bin(seconds: float) -> str:
+    """The ``Seconds`` label of the bin that holds ``seconds`` (clamped to the range)."""
+    step = round(_BIN_STEPS * math.log10(max(seconds, 1e-3)))
+    step = min(max(step, _BIN_RANGE[0]), _BIN_RANGE[1])
+    return f"{10 ** (step / _BIN_STEPS):.4g}"
+
 
 class SessionMetrics:
     def __init__(self, metrics_cache):
@@ -50,6 +65,12 @@ class SessionMetrics:
         self._in_flight = add("ShardRequestsInFlight", "count", ["Shard"], MetricTypes.GAUGE)
         self._latency = add("TurnLatencySeconds", "s", ["Tier"], MetricTypes.HISTOGRAM)
         self._ttft = add("TurnTimeToFirstTokenSeconds", "s", ["Tier"], MetricTypes.HISTOGRAM)
+        self._latency_bins = add(
+            "TurnLatencySecondsBinned", "count", ["Tier", "Seconds"], MetricTypes.COUNTER
+        )
+        self._ttft_bins = add(
+            "TurnTimeToFirstTokenSecondsBinned", "count", ["Tier", "Seconds"], MetricTypes.COUNTER
+        )
         self._new = add("TurnNewTokens", "count", [], MetricTypes.COUNTER)
         self._cached = add("TurnCachedTokens", "count", [], MetricTypes.COUNTER)
         self._budget = add("MemoryBudgetBytes", "bytes", ["Shard", "Memory"], MetricTypes.GAUGE)
@@ -64,6 +85,8 @@ class SessionMetrics:
         tier = [answer.tier.value]
         self._latency.add_or_update(answer.total_s, tier)
         self._ttft.add_or_update(answer.ttft_s, tier)
+        self._latency_bins.add_or_update(1, [*tier, latency_bin(answer.total_s)])
+        self._ttft_bins.add_or_update(1, [*tier, latency_bin(answer.ttft_s)])
         self._new.add_or_update(answer.new_tokens)
         self._cached.add_or_update(answer.cached_tokens)
 

@@ -6,13 +6,17 @@ session metrics, which TorchServe exposes only on its loopback Prometheus endpoi
 SageMaker users look without an agent (docs/container.md §Metrics on stdout (EMF)).
 
 The endpoint is read every ``poll_s``; lines are written when a value changed since the last
-lines, and at least every ``interval_s`` even when nothing did. One line per dimension set:
-``{"Model": ...}`` for the counters, ``{"Model", "Tier": ...}`` for what is per tier.
+lines, and at least every ``interval_s`` even when nothing did. One line per tier (and one for
+what has none), each under two dimension sets: ``Endpoint`` (the endpoint's totals and
+percentiles over all its instances) and ``Endpoint, Host`` (one instance), with ``Tier`` added
+to both where the line has one (docs/serving.md §CloudWatch dimensions and percentiles).
 
 - gauges (sessions and bytes held): the current value;
 - counters (sessions opened, closed, ..., tokens): the increase since the previous lines (a
   TorchServe restart starts them from zero again: the new value is the increase);
-- latency histograms: the mean over the turns since the previous lines, when there were any.
+- latencies: the turns since the previous lines as EMF ``Values``/``Counts`` (CloudWatch
+  computes percentiles from them), when there were any: the handler's latency bins, each value
+  within 6 % of the turns it stands for.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 NAMESPACE = "StatefulLlava"
+# The endpoint's name, which a container cannot learn from SageMaker: deploy/endpoint.py sets it.
+ENDPOINT_ENV = "SERVE_ENDPOINT_NAME"
+LOCAL_ENDPOINT = "local"  # unset: a container run outside deploy (the container tier, by hand)
+_ENDPOINT_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9])*")  # SageMaker's EndpointName rule
 GAUGES = {"SessionsOpen": "Count", "SessionBytes": "Bytes"}
 COUNTERS = {
     name: "Count"
@@ -46,16 +55,30 @@ COUNTERS = {
     )
 }
 HISTOGRAMS = {"TurnLatencySeconds": "Seconds", "TurnTimeToFirstTokenSeconds": "Seconds"}
+BINNED = "Binned"  # <histogram>Binned{Tier, Seconds}: turns per latency bin (handlers/metrics.py)
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
-Key = tuple[str, str]  # (metric name, tier or "")
+Key = tuple[str, str, str]  # (metric name, tier or "", latency bin or "")
+
+
+def endpoint_name(environ: Mapping[str, str]) -> str:
+    """The ``Endpoint`` dimension: ``SERVE_ENDPOINT_NAME``, else ``local``; ValueError, naming
+    the variable, for a value SageMaker would not take as an endpoint name."""
+    name = environ.get(ENDPOINT_ENV, LOCAL_ENDPOINT)
+    if len(name) > 63 or not _ENDPOINT_NAME.fullmatch(name):
+        raise ValueError(
+            f"bad {ENDPOINT_ENV}: {name!r} is not a SageMaker endpoint name (1 to 63 letters, "
+            "digits and hyphens, starting and ending with a letter or digit)"
+        )
+    return name
 
 
 def parse_prometheus(text: str) -> dict[Key, float]:
-    """Our metrics from Prometheus text, summed per (name, Tier label). Histograms become
-    ``<name>_sum`` and ``<name>_count``; a counter's ``_total`` suffix is dropped."""
+    """Our metrics from Prometheus text, summed per (name, Tier label, Seconds label).
+    Histograms become ``<name>_sum`` and ``<name>_count``; a counter's ``_total`` suffix is
+    dropped."""
     values: dict[Key, float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -64,11 +87,17 @@ def parse_prometheus(text: str) -> dict[Key, float]:
         name, labels, value = match.groups()
         name = name.removesuffix("_total")
         base = name.rsplit("_", 1)[0] if name.endswith(("_sum", "_count")) else name
-        if name not in GAUGES and name not in COUNTERS and base not in HISTOGRAMS:
+        if (
+            name not in GAUGES
+            and name not in COUNTERS
+            and base not in HISTOGRAMS
+            and name.removesuffix(BINNED) not in HISTOGRAMS
+        ):
             continue
-        tier = dict(_LABEL.findall(labels or "")).get("Tier", "")
+        found = dict(_LABEL.findall(labels or ""))
+        key = (name, found.get("Tier", ""), found.get("Seconds", ""))
         try:
-            values[(name, tier)] = values.get((name, tier), 0.0) + float(value)
+            values[key] = values.get(key, 0.0) + float(value)
         except ValueError:
             continue
     return values
@@ -80,10 +109,12 @@ class EmfReporter:
 
     scrape: Callable[[], str]  # the Prometheus text; raises OSError while TorchServe is down
     write: Callable[[str], None]  # one line, without its newline
-    model: str
+    model: str  # a property of every line, not a dimension: an endpoint serves one model
     interval_s: float = 60.0
     namespace: str = NAMESPACE
     clock: Callable[[], float] = time.time
+    endpoint: str = LOCAL_ENDPOINT  # docker/serve.py passes SERVE_ENDPOINT_NAME's, checked at start
+    host: str = field(default_factory=socket.gethostname)  # TorchServe's Hostname label too
     _last: dict[Key, float] | None = field(default=None, init=False)
     _last_at: float = field(default=0.0, init=False)
 
@@ -109,42 +140,70 @@ class EmfReporter:
             self.poll()
 
     def _lines(self, now: dict[Key, float], before: dict[Key, float], at: float) -> list[str]:
-        by_tier: dict[str, dict[str, tuple[float, str]]] = {}
-        for (name, tier), value in now.items():
+        by_tier: dict[str, dict[str, tuple[float | dict, str]]] = {}
+        for (name, tier, _), value in now.items():
             if name in GAUGES:
                 by_tier.setdefault(tier, {})[name] = (value, GAUGES[name])
             elif name in COUNTERS:
                 by_tier.setdefault(tier, {})[name] = (
-                    _increase(value, before.get((name, tier))),
+                    _increase(value, before.get((name, tier, ""))),
                     COUNTERS[name],
                 )
         for name, unit in HISTOGRAMS.items():
-            for tier in {t for (n, t) in now if n == f"{name}_count"}:
-                count, total = (
-                    _increase(
-                        now.get((f"{name}_{part}", tier), 0.0), before.get((f"{name}_{part}", tier))
-                    )
-                    for part in ("count", "sum")
-                )
-                if count > 0:
-                    by_tier.setdefault(tier, {})[name] = (total / count, unit)
+            for tier in {t for (n, t, _) in now if n in (f"{name}_count", name + BINNED)}:
+                if (latencies := _latencies(name, tier, now, before)) is not None:
+                    by_tier.setdefault(tier, {})[name] = (latencies, unit)
         return [self._line(tier, metrics, at) for tier, metrics in sorted(by_tier.items())]
 
-    def _line(self, tier: str, metrics: dict[str, tuple[float, str]], at: float) -> str:
-        dimensions = {"Model": self.model} | ({"Tier": tier} if tier else {})
+    def _line(self, tier: str, metrics: dict[str, tuple[float | dict, str]], at: float) -> str:
+        tiered = {"Tier": tier} if tier else {}
         directive = {
             "Namespace": self.namespace,
-            "Dimensions": [list(dimensions)],
+            # Two sets, each a metric of its own in CloudWatch (and billed so): the endpoint's,
+            # and each instance's.
+            "Dimensions": [["Endpoint", *tiered], ["Endpoint", "Host", *tiered]],
             "Metrics": [
                 {"Name": name, "Unit": unit} for name, (_, unit) in sorted(metrics.items())
             ],
         }
         document = {
             "_aws": {"Timestamp": int(at * 1000), "CloudWatchMetrics": [directive]},
-            **dimensions,
+            "Endpoint": self.endpoint,
+            "Host": self.host,
+            **tiered,
+            "Model": self.model,
             **{name: value for name, (value, _) in sorted(metrics.items())},
         }
         return json.dumps(document, separators=(",", ":"))
+
+
+def _latencies(
+    name: str, tier: str, now: dict[Key, float], before: dict[Key, float]
+) -> dict | None:
+    """The turns since the previous lines as an EMF distribution, or None when there were none.
+    All of it from the handler's bins (at most 100 values, EMF's limit for one metric in one
+    line): one counter per bin, so no scrape sees a turn half published."""
+
+    def increase(key: Key) -> float:
+        return _increase(now.get(key, 0.0), before.get(key))
+
+    bins = [key for key in now if key[0] == name + BINNED and key[1] == tier]
+    if bins:
+        counts = {float(key[2]): increase(key) for key in bins}
+    else:  # a .mar archived before the bins: its histogram's mean stands for its turns
+        count, total = (increase((f"{name}_{part}", tier, "")) for part in ("count", "sum"))
+        counts = {total / count: count} if count > 0 else {}
+    values = sorted(value for value, n in counts.items() if n > 0)
+    if not values:
+        return None
+    return {
+        "Values": values,
+        "Counts": [counts[value] for value in values],
+        "Max": values[-1],
+        "Min": values[0],
+        "Count": sum(counts[value] for value in values),
+        "Sum": sum(value * counts[value] for value in values),
+    }
 
 
 def _increase(value: float, before: float | None) -> float:

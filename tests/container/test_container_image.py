@@ -198,16 +198,24 @@ def test_session_metrics_are_emf_lines_on_stdout(tmp_path, sample):
         (directive,) = document["_aws"]["CloudWatchMetrics"]
         assert isinstance(document["_aws"]["Timestamp"], int)
         assert directive["Namespace"] == NAMESPACE
-        assert directive["Dimensions"] in ([["Model"]], [["Model", "Tier"]])
-        for dimension in directive["Dimensions"][0]:
+        assert directive["Dimensions"] in (
+            [["Endpoint"], ["Endpoint", "Host"]],
+            [["Endpoint", "Tier"], ["Endpoint", "Host", "Tier"]],
+        )
+        for dimension in directive["Dimensions"][-1]:
             assert isinstance(document[dimension], str)
+        assert document["Endpoint"] == "local"  # no SERVE_ENDPOINT_NAME: not deployed by deploy
         for metric in directive["Metrics"]:
-            assert isinstance(document[metric["Name"]], int | float), metric
+            value = document[metric["Name"]]
+            if metric["Unit"] == "Seconds":  # a latency: values and counts, for percentiles
+                assert len(value["Values"]) == len(value["Counts"]) and value["Count"] > 0
+            else:
+                assert isinstance(value, int | float), metric
             assert metric["Unit"] in ("Count", "Bytes", "Seconds")
     assert sum(d.get("SessionsOpened", 0) for d in documents) == 1
     assert sum(d.get("SessionsClosed", 0) for d in documents) == 1
     assert sum(d.get("TurnNewTokens", 0) for d in documents) > 0
-    assert any(d.get("TurnLatencySeconds", 0) > 0 for d in documents)
+    assert any(d.get("TurnLatencySeconds", {}).get("Count", 0) > 0 for d in documents)
     last_open = [d["SessionsOpen"] for d in documents[-2:] if "SessionsOpen" in d]
     assert last_open and all(n == 0 for n in last_open)
 

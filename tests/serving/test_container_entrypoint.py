@@ -240,6 +240,7 @@ def test_a_killed_worker_restarts_torchserve_with_503s_meanwhile_and_the_bound_e
         ("mar", {"LLAVA_SESSION_TTL_S": "abc"}, "bad setting LLAVA_SESSION_TTL_S"),
         ("mar", {"SES_TTL_MIN": "10", "LLAVA_SESSION_TTL_S": "300"}, "conflicts with LLAVA_"),
         ("mar", {"SERVE_PORT": "http"}, "bad SERVE_* setting"),
+        ("mar", {"SERVE_ENDPOINT_NAME": "llava chat"}, "bad SERVE_ENDPOINT_NAME: 'llava chat'"),
     ],
 )
 def test_bad_setup_fails_at_once_with_one_line(tmp_path, setup, env, message):

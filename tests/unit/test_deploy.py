@@ -16,6 +16,7 @@ from moto.core.responses import ActionResult
 from moto.sagemaker.responses import SageMakerResponse
 from moto.server import ThreadedMotoServer
 
+from serving.emf import endpoint_name
 from serving.torchserve import free_ports
 
 IMAGE = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/stateful-llava:v1"
@@ -100,6 +101,7 @@ def test_create_makes_model_config_endpoint_as_asked_and_delete_removes_them(sag
     [model_name] = made["models"]
     assert made["configs"] == [model_name] and model_name.startswith("llava-chat-")
     assert model_name in printed and "llava-chat (InService)" in printed
+    assert "endpoint llava-chat: InService after 0 s" in printed  # the wait's progress line
 
     container = sagemaker.describe_model(ModelName=model_name)["PrimaryContainer"]
     assert container["Image"] == IMAGE
@@ -112,7 +114,9 @@ def test_create_makes_model_config_endpoint_as_asked_and_delete_removes_them(sag
         "SERVE_STARTUP_TIMEOUT_S": "2370",  # the container gives up before SageMaker does
         "LLAVA_SESSION_TTL_S": "600",
         "LLAVA_DEVICE": "cuda",
+        "SERVE_ENDPOINT_NAME": "llava-chat",  # its metrics' Endpoint dimension
     }
+    assert endpoint_name(container["Environment"]) == "llava-chat"  # as the container reads it
     [variant] = sagemaker.describe_endpoint_config(EndpointConfigName=model_name)[
         "ProductionVariants"
     ]
@@ -178,6 +182,13 @@ def test_bad_arguments_fail_before_any_call(sagemaker, capsys, overrides, messag
     assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
 
 
+def test_the_endpoint_name_is_deploys_to_set(sagemaker, capsys):
+    """Another value would file the endpoint's metrics under another endpoint."""
+    assert deploy(*create_args(), "--env", "SERVE_ENDPOINT_NAME=other") == 2
+    assert "SERVE_ENDPOINT_NAME is the endpoint's name, set by deploy" in capsys.readouterr().err
+    assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
+
+
 def test_env_must_be_key_value(capsys):
     with pytest.raises(SystemExit):
         deploy(*create_args(), "--env", "LLAVA_DEVICE")
@@ -196,3 +207,58 @@ def test_the_default_ami_is_one_botocore_lists_with_the_driver_cuda_13_needs():
     docs = shapes["ProductionVariant"]["members"]["InferenceAmiVersion"]["documentation"]
     ours = docs.split(f"<dt>{INFERENCE_AMI_VERSION}</dt>", 1)[1].split("</dd>", 1)[0]
     assert "NVIDIA driver version: 580" in ours and "CUDA version: 13.0" in ours
+
+
+class StartingEndpoint:
+    """An endpoint whose describes answer ``statuses`` in turn (the last one for ever), on a
+    clock that only the waiter's sleeps advance."""
+
+    endpoint_name = "llava-chat"
+    failure_reason = "CannotStartContainerError: /ping did not return 200"
+
+    def __init__(self, *statuses: str):
+        self.statuses, self.now = list(statuses), 0.0
+
+    def refresh(self) -> None:
+        self.endpoint_status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def wait(endpoint: StartingEndpoint, timeout_s: float = 3600) -> list[str]:
+    from deploy.endpoint import wait_in_service
+
+    said: list[str] = []
+    wait_in_service(
+        endpoint, timeout_s, say=said.append, clock=lambda: endpoint.now, sleep=endpoint.sleep
+    )
+    return said
+
+
+def test_the_wait_for_in_service_says_the_status_and_time_at_each_change_and_every_minute():
+    endpoint = StartingEndpoint(*["Creating"] * 9, "InService")  # a poll every 15 s
+    assert wait(endpoint) == [
+        "endpoint llava-chat: Creating after 0 s",
+        "endpoint llava-chat: Creating after 1 min 00 s",
+        "endpoint llava-chat: Creating after 2 min 00 s",
+        "endpoint llava-chat: InService after 2 min 15 s",
+    ]
+
+
+def test_the_wait_stops_at_a_failed_status_with_sagemakers_reason():
+    from sagemaker.core.utils.exceptions import FailedStatusError
+
+    endpoint = StartingEndpoint("Creating", "Creating", "Failed")
+    with pytest.raises(FailedStatusError, match="CannotStartContainerError"):
+        wait(endpoint)
+    assert endpoint.now == 30  # no further sleep once it failed
+
+
+def test_the_wait_gives_up_at_its_timeout():
+    from sagemaker.core.utils.exceptions import TimeoutExceededError
+
+    endpoint = StartingEndpoint("Creating")
+    with pytest.raises(TimeoutExceededError, match="Creating"):
+        wait(endpoint, timeout_s=100)
+    assert endpoint.now == 105  # polled at 0, 15, ..., 105: the first poll past 100 s
