@@ -8,7 +8,8 @@
         [--no-wait] [--region eu-west-1]
     python -m deploy delete --name llava-chat [--region eu-west-1]
 
-``create`` prints the names of what it created, one per line, and exits 0 once the endpoint is
+``create`` prints the names of what it created, one per line, then the endpoint's status and
+the time waited at each change and at least every minute, and exits 0 once the endpoint is
 InService (1 if it failed, with SageMaker's reason); ``delete`` removes the endpoint with its
 endpoint config and models. AWS credentials come from the usual places (AWS_PROFILE, ...).
 """

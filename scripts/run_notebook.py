@@ -7,7 +7,9 @@ The notebook starts the local endpoint itself (``make endpoint``) and stops it i
 should the kernel die, the endpoint is stopped here too. The executed copy (outputs, plots) and
 its time-to-first-token plot are written to ``--out``; with ``--save-to-repo`` they replace the
 committed notebook (outputs included, so readers see them on the repository page) and
-docs/notebook_ttft.png. Exits non-zero when a cell fails or the summary is not what it should be.
+docs/notebook_ttft.png. Paths of this machine in the outputs are written relative to the
+repository (the run dir outside it as ``ENDPOINT_DIR``), and a copy that still names one is not
+saved to the repository. Exits non-zero when a cell fails or the summary is not what it should be.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -29,6 +32,9 @@ REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "llava_stateful_deploy_infer.ipynb"
 TTFT_PLOT = REPO / "docs" / "notebook_ttft.png"
 RESULT = "NOTEBOOK_RESULT "
+# An absolute path of the machine that ran it (/work/..., /tmp/...) in an output; the path of a
+# URL (after its host) and a path relative to the repository are not one.
+MACHINE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.-]+/)+[\w.-]*")
 
 
 def execute(
@@ -61,9 +67,50 @@ def summary(notebook: nbformat.NotebookNode) -> dict:
     raise ValueError("the notebook printed no summary line")
 
 
+def output_texts(notebook: nbformat.NotebookNode) -> list[str]:
+    """Every text the outputs show: streams, text data (not images: base64 has slashes), errors."""
+    texts = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            texts.append(output.get("text", ""))
+            texts += [v for k, v in output.get("data", {}).items() if k.startswith("text/")]
+            texts += [output.get("evalue", ""), *output.get("traceback", [])]
+    return texts
+
+
+def machine_paths(notebook: nbformat.NotebookNode) -> list[str]:
+    return [path for text in output_texts(notebook) for path in MACHINE_PATH.findall(text)]
+
+
+def relative_paths(notebook: nbformat.NotebookNode, run_dir: Path) -> None:
+    """Rewrite, in place, the outputs' paths of this checkout relative to it (the notebook runs
+    from the repository root), and an endpoint run dir outside it as ``ENDPOINT_DIR``."""
+    names = [(f"{REPO}/", ""), (str(REPO), ".")]
+    if not run_dir.is_relative_to(REPO):
+        names.insert(0, (str(run_dir), "ENDPOINT_DIR"))
+
+    def relative(text: str) -> str:
+        for path, name in names:
+            text = text.replace(path, name)
+        return text
+
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                output["text"] = relative(output["text"])
+            for kind, value in output.get("data", {}).items():
+                if kind.startswith("text/"):
+                    output["data"][kind] = relative(value)
+            if "traceback" in output:
+                output["evalue"] = relative(output["evalue"])
+                output["traceback"] = [relative(line) for line in output["traceback"]]
+
+
 def problems(result: dict) -> list[str]:
     """What is wrong with a local-mode run's summary; [] when all is right."""
     found = []
+    if not result["image_url"].startswith("http://127.0.0.1:"):
+        found.append(f"the image did not go by its loopback URL: {result['image_url']!r}")
     if result["answers"] != result["expected"]:
         found.append(f"answers {result['answers']} != expected {result['expected']}")
     ttft = result["ttft_ms"]
@@ -86,10 +133,14 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plot = args.out.absolute() / TTFT_PLOT.name
-    notebook, result = execute(args.port, args.run_dir.absolute(), plot)
+    run_dir = args.run_dir.absolute()
+    notebook, result = execute(args.port, run_dir, plot)
+    relative_paths(notebook, run_dir)
     nbformat.write(notebook, args.out / NOTEBOOK.name)
     print(json.dumps(result, indent=1))
     wrong = problems(result)
+    if paths := machine_paths(notebook):
+        wrong.append(f"the outputs name paths of this machine: {sorted(set(paths))}")
     if args.save_to_repo and not wrong:
         nbformat.write(notebook, NOTEBOOK)
         shutil.copyfile(plot, TTFT_PLOT)
