@@ -12,8 +12,10 @@ MAR_WEIGHTS ?=
 MAR_CHOICE = $(if $(MODEL_DIR),--model-dir $(MODEL_DIR)) $(if $(MAR_WEIGHTS),--weights $(MAR_WEIGHTS))
 # e.g. SERVE_FLAGS="--instance-dir .run/b --inference-port 8090 --management-port 8091 ..."
 SERVE_FLAGS ?=
-# make endpoint: the local SageMaker-compatible endpoint over N TorchServe instances.
+# make endpoint: the local SageMaker-compatible endpoint over N TorchServe instances, each
+# running torch on ENDPOINT_THREADS threads (auto: the cores split evenly between them).
 ENDPOINT_INSTANCES ?= 2
+ENDPOINT_THREADS ?= auto
 ENDPOINT_PORT ?= 8090
 ENDPOINT_DIR ?= .run/endpoint
 
@@ -127,7 +129,7 @@ stop: setup
 # Returns once every instance has a READY worker and the endpoint answers on ENDPOINT_PORT.
 endpoint: mar
 	$(PY) -m local_endpoint.launcher start --instances $(ENDPOINT_INSTANCES) \
-		--port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
+		--threads=$(ENDPOINT_THREADS) --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 # Load, faults and bad input together for SOAK_SECONDS with SOAK_SESSIONS conversations, against
 # `make endpoint`'s setup started on free ports (2 instances) through boto3 (scripts/soak.py):

@@ -40,7 +40,8 @@ from llava_wire import CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_CLOSED, TURN
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-RECOVERY = ("raise", "replay")  # what a gone session does: docs/client.md §The client (`llava_client/`)
+# What a session that is gone does (docs/client.md §The client (`llava_client/`)).
+RECOVERY = ("raise", "replay")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Start and stop the local SageMaker-compatible endpoint: N TorchServe instances behind it.
 
-    python -m local_endpoint.launcher start [--instances 2] [--port 8090]
+    python -m local_endpoint.launcher start [--instances 2] [--threads auto] [--port 8090]
         [--name stateful-llava] [--run-dir .run/endpoint] [--part-bytes 0] [--timeout 180]
     python -m local_endpoint.launcher stop|status [--run-dir .run/endpoint]
 
@@ -11,7 +11,9 @@ whose worker dies is restarted whole (serving/supervisor.py) and adopts its sess
 its own persistent-tier directory, ``<LLAVA_PERSIST_DIR>/instance-<i>`` (instances on one
 machine must not adopt each other's sessions; ``LLAVA_PERSIST_DIR=null`` turns the tier off).
 LLAVA_* variables in the environment reach the instances (e.g.
-``LLAVA_INTAKE='{"allow": ["127.0.0.1"]}'`` for images served on loopback).
+``LLAVA_INTAKE='{"allow": ["127.0.0.1"]}'`` for images served on loopback). Each instance
+runs torch on its share of the cores (``--threads``, as OMP_NUM_THREADS; ``auto``: the cores
+split evenly), it and its restarts alike.
 """
 
 from __future__ import annotations
@@ -40,6 +42,29 @@ STATE = "endpoint.json"
 DEFAULT_PERSIST_DIR = "/dev/shm/stateful-llava"
 
 
+def thread_share(instances: int, threads: int | None = None) -> int:
+    """Torch's threads in each instance: ``threads``, or this process's cores split evenly, at
+    least one each. Instances that each ran a thread per core fought over the cores: on 2 cores
+    two such instances answered slower than one (docs/performance.md §Endpoint instances and
+    cores)."""
+    if threads is not None:
+        return threads
+    return max(1, len(os.sched_getaffinity(0)) // instances)
+
+
+def parse_threads(value: str) -> int | None:
+    """``--threads``: a whole number of at least 1, or ``auto`` (None: :func:`thread_share`)."""
+    if value == "auto":
+        return None
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"--threads wants auto or a whole number of at least 1, not {value!r}")
+    return threads
+
+
 def instance_env(name: str, environ: dict[str, str]) -> dict[str, str]:
     """The settings one instance gets beside the shared ones: its own persistent-tier
     directory under the shared one (docs/engine/sessions.md §Persistent tier)."""
@@ -57,10 +82,20 @@ class LocalEndpoint:
     name: str = "stateful-llava"
     part_bytes: int = 0
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the instances
+    threads: int | None = None  # torch threads per instance; None: the cores split evenly
     instances_started: list[TorchServeInstance] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).absolute()
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, not {self.threads}")
+
+    @property
+    def instance_settings(self) -> dict[str, str]:
+        """The environment every instance starts with, and restarts with (the endpoint process
+        has it, and a restarted instance inherits the endpoint's environment)."""
+        threads = thread_share(self.instances, self.threads)
+        return {**self.env, "OMP_NUM_THREADS": str(threads)}
 
     @property
     def url(self) -> str:
@@ -90,11 +125,12 @@ class LocalEndpoint:
             raise TorchServeError(f"the endpoint already runs from {self.run_dir}: stop it first")
         check_port_free(self.port)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        shared = {**os.environ, **self.env}
+        settings = self.instance_settings
+        shared = {**os.environ, **settings}
         instances = [
             TorchServeInstance.on_free_ports(
                 self.run_dir / f"instance-{i}",
-                env={**self.env, **instance_env(f"instance-{i}", shared)},
+                env={**settings, **instance_env(f"instance-{i}", shared)},
             )
             for i in range(self.instances)
         ]
@@ -119,7 +155,7 @@ class LocalEndpoint:
                 [sys.executable, "-m", "local_endpoint", "--port", str(self.port)]
                 + ["--name", self.name, "--part-bytes", str(self.part_bytes), *supervised],
                 cwd=REPO,
-                env={**os.environ, **self.env},  # what a restarted instance's workers get
+                env={**os.environ, **self.instance_settings},  # what a restart's workers get
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives `make endpoint`
@@ -172,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["start", "stop", "status"])
     parser.add_argument("--run-dir", default=REPO / ".run" / "endpoint", type=Path)
     parser.add_argument("--instances", default=2, type=int)
+    parser.add_argument("--threads", default="auto", help="torch threads per instance, or auto")
     parser.add_argument("--port", default=8090, type=int)
     parser.add_argument("--name", default="stateful-llava")
     parser.add_argument("--part-bytes", default=0, type=int, help="split streamed chunks")
@@ -179,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.instances < 1:
         parser.error("--instances must be at least 1")
-    endpoint = LocalEndpoint(args.run_dir, args.instances, args.port, args.name, args.part_bytes)
+    try:
+        threads = parse_threads(args.threads)
+    except ValueError as e:  # one line, before anything starts
+        print(f"endpoint_ctl {args.command}: {e}", file=sys.stderr)
+        return 1
+    endpoint = LocalEndpoint(
+        args.run_dir, args.instances, args.port, args.name, args.part_bytes, threads=threads
+    )
     actions = {
         "start": lambda: _start(endpoint, args.timeout),
         "stop": lambda: _stop(endpoint),
@@ -195,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 def _start(endpoint: LocalEndpoint, timeout: float) -> int:
     began = time.monotonic()
     urls = ", ".join(ts.inference_url for ts in endpoint.start(timeout))
+    threads = endpoint.instance_settings["OMP_NUM_THREADS"]
     print(
         f"endpoint {endpoint.name} READY in {time.monotonic() - began:.1f} s at {endpoint.url} "
-        f"over TorchServe {urls}; logs in {endpoint.run_dir}"
+        f"over TorchServe {urls} ({threads} torch thread(s) each); logs in {endpoint.run_dir}"
     )
     return 0
 

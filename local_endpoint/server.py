@@ -144,6 +144,9 @@ class BackendDown(Exception):
 
 class EndpointServer(ThreadingHTTPServer):
     daemon_threads = True
+    # Connections not yet accepted: socketserver's 5 overflowed when 32 sessions opened at once
+    # on 2 busy cores, and the kernel then reset some of them.
+    request_queue_size = 128
 
     def __init__(
         self,
