@@ -24,8 +24,9 @@ from sagemaker.core.shapes import (
 )
 from sagemaker.core.utils.exceptions import FailedStatusError, TimeoutExceededError
 
-from serving.emf import ENDPOINT_ENV
-
+# The container's setting that names the endpoint in its metrics (serving/emf.py reads it; a
+# container cannot learn its endpoint's name from SageMaker).
+ENDPOINT_ENV = "SERVE_ENDPOINT_NAME"
 # SageMaker's upper bound for both timeouts (ProductionVariant), in seconds.
 MAX_TIMEOUT_S = 3600
 # The inference AMI whose NVIDIA driver runs the image's torch: PyPI's torch 2.13.0 is a CUDA 13.0

@@ -262,3 +262,10 @@ def test_the_wait_gives_up_at_its_timeout():
     with pytest.raises(TimeoutExceededError, match="Creating"):
         wait(endpoint, timeout_s=100)
     assert endpoint.now == 105  # polled at 0, 15, ..., 105: the first poll past 100 s
+
+
+def test_deploy_names_the_setting_the_container_reads_for_its_endpoint():
+    from deploy.endpoint import ENDPOINT_ENV
+    from serving import emf
+
+    assert ENDPOINT_ENV == emf.ENDPOINT_ENV
