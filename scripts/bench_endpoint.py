@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import io
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ import requests
 
 from demo_model.synthetic import held_out_samples
 from llava_client import LlavaClient
+from llava_client.images import image_source
 from llava_wire import NEW_SESSION, NEW_SESSION_HEADER, SESSION, SESSION_HEADER
 from local_endpoint.launcher import LocalEndpoint, parse_threads
 from scripts.demo import QUESTIONS
@@ -71,12 +71,6 @@ def timed(ask, question: str) -> tuple[float, float]:
     start = time.perf_counter()
     reply = ask(question)
     return (time.perf_counter() - start) * 1000, reply["timing"]["totalMs"]
-
-
-def png_b64(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def conversation(url: str, image_b64: str, turns: int) -> tuple[float, list[float]]:
@@ -125,7 +119,7 @@ def load_run(setup: str, images: list[str], turns: int) -> tuple[float, float, f
 
 
 def load(args) -> None:
-    images = [png_b64(sample.image) for sample in held_out_samples(args.sessions)]
+    images = [image_source(sample.image)["b64"] for sample in held_out_samples(args.sessions)]
     results = {setup: [] for setup in args.setup}
     print(
         f"{args.sessions} sessions at once x {args.session_turns} turns, demo model, "
@@ -154,7 +148,7 @@ def main() -> None:
     if args.load:
         load(args)
         return
-    image_b64 = png_b64(held_out_samples(1)[0].image)
+    image_b64 = image_source(held_out_samples(1)[0].image)["b64"]
     endpoint = LocalEndpoint(Path(tempfile.mkdtemp(prefix="bench-ep-")), 1, free_ports(1)[0])
     (instance,) = endpoint.start(timeout=180)
     try:
