@@ -100,16 +100,14 @@ class LlavaClient:
         ``system``: the session's system prompt (by default the server's ``system_prompt``).
         """
         source = image_source(image)
-        session = Session(self, *self._open(source, session_id, system), source, system)
-        session.turns = 0
-        return session
+        return Session(self, *self._open(source, session_id, system), source, system)
 
     def attach(self, session_id: str, expires_at: str | None = None) -> Session:
         """The session ``session_id``, opened by another process (another web worker of the
         same backend): ask, stream, rewind and close it from here. Nothing is sent until its
         first call. Its image and earlier turns are unknown here, so it cannot be replayed:
         if it is gone, its calls raise ``SessionGone`` whatever ``recover`` says."""
-        return Session(self, session_id, expires_at, image=None, replayable=False)
+        return Session(self, session_id, expires_at, image=None, attached=True)
 
     def _open(
         self, source: dict | None, session_id: str | None = None, system: str | None = None
@@ -186,18 +184,19 @@ class Session:
         expires_at: str,
         image: dict | None,
         system: str | None = None,
-        replayable: bool = True,
+        attached: bool = False,
     ):
         self.client = client
         self.id = session_id
         self.expires_at = expires_at
         self.history: list[Turn] = []  # the turns asked through this object that the session holds
-        self.turns: int | None = None  # the turns the session holds, as its last reply said
+        # the turns the session holds, as its last reply said (an attached one's: unknown yet)
+        self.turns: int | None = None if attached else 0
         self.recoveries = 0
         self.replay_mismatches = 0
         self.closed = False
         self._image, self._system = image, system  # kept to re-open on recovery
-        self._replayable = replayable
+        self._attached = attached  # opened elsewhere: its image is its opener's, never replayed
 
     def ask(self, question: str, *, rewind_turns: int = 0, **parameters) -> Answer:
         """Ask and wait for the whole answer (``parameters``: max_new_tokens, temperature...).
@@ -281,7 +280,7 @@ class Session:
         except SessionGone as gone:
             if self.closed:
                 raise
-            if self.client.recover != "replay" or not self._replayable:
+            if self.client.recover != "replay" or self._attached:
                 raise self._what_was_lost(gone) from gone
             logger.warning("session %s is gone (%s): re-opening and replaying", self.id, gone)
             self._reopen()
@@ -290,9 +289,9 @@ class Session:
     def _what_was_lost(self, gone: SessionGone) -> SessionGone:
         turns = self.turns if self.turns is not None else "its"
         how = (
-            'LlavaClient(recover="replay") re-opens it and asks its questions again'
-            if self._replayable
-            else "it was attached, so only its opener knows its image"
+            "it was attached, so only its opener knows its image"
+            if self._attached
+            else 'LlavaClient(recover="replay") re-opens it and asks its questions again'
         )
         lost = SessionGone(
             gone.code,
