@@ -373,10 +373,10 @@ class TurnRequest(_Request):
     def _kept_messages(self, session: Session) -> list[dict]:
         """The conversation this turn follows: the session's, less the turns it rewinds. Their
         KV needs no special care: ``_reuse`` keeps only the prefix the new prompt shares."""
-        held = questions_asked(session.messages)
-        if self.rewind_turns > held:
+        if self.rewind_turns > session.turns:
             raise InvalidRequest(
-                f"'rewind_turns' is {self.rewind_turns} but the session holds {held} turns",
+                f"'rewind_turns' is {self.rewind_turns} but the session holds {session.turns} "
+                "turns",
                 code="REWIND_PAST_START",
             )
         return without_last_turns(session.messages, self.rewind_turns)
