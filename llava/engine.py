@@ -26,8 +26,9 @@ from llava.errors import InvalidRequest, echo
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 from llava.kv.budget import memory_budget
 from llava.kv.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
-from llava.model.imageprep import content_key, prepare_image
+from llava.model.imageprep import content_key
 from llava.model.loading import LoadedModel, load_model
+from llava.model.vision import image_features, largest_side, vision_inputs
 from llava.sampling.logits_mask import banned_token_ids
 from llava.sampling.params import GenerationParams
 from llava.sampling.sampler import Sampler
@@ -137,12 +138,8 @@ class Engine:
 
     @property
     def image_side(self) -> int:
-        """The largest side the processor resizes an image to: intake decodes an image no
-        larger than about twice this (llava.intake.decode_image's ``fit``)."""
-        image_processor = self.loaded.processor.image_processor
-        sizes = (image_processor.size, image_processor.crop_size)  # dicts or SizeDicts
-        sides = ("shortest_edge", "longest_edge", "height", "width")
-        return max(size.get(side) or 0 for size in sizes if size for side in sides)
+        """The largest side the processor resizes an image to (llava.model.vision)."""
+        return largest_side(self.loaded.processor.image_processor)
 
     def warm_up(self) -> float:
         """Run the vision tower, a prefill and a decode step once, outside any session, so the
@@ -302,21 +299,14 @@ class Engine:
         self.loop.stop(wait=True)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _pixels(self, image: Image.Image) -> torch.Tensor:
+    def _pixels(self, image: Image.Image) -> dict[str, torch.Tensor]:
         """The processor's preprocessing: runs in the caller's thread, off the loop."""
         image_processor = self.loaded.processor.image_processor
-        image = prepare_image(image, self.loaded.image_aspect_ratio, image_processor)
-        return image_processor(images=image, return_tensors="pt").pixel_values
+        return vision_inputs(image, image_processor, self.loaded.image_aspect_ratio)
 
-    @torch.inference_mode()
-    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """The vision tower + projector, once per session: (image tokens, hidden) features."""
-        model = self.loaded.model
-        pixels = pixel_values.to(self.loaded.device, self.loaded.dtype)
-        pooled = model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
-        if isinstance(pooled, list | tuple):
-            pooled = torch.cat(list(pooled), dim=0)
-        return pooled.reshape(-1, pooled.shape[-1])
+    def encode_image(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The vision side once per session (llava.model.vision): (image tokens, hidden)."""
+        return image_features(self.loaded.model, inputs, self.loaded.dtype)
 
     def _check_system(self, system) -> str:
         if system is None:

@@ -26,6 +26,7 @@ from llava.errors import EngineError, SessionIdInUse, ShardFailed
 from llava.kv.budget import host_budget, memory_budget
 from llava.kv.memory import IntegrityError, session_feature_bytes, session_kv_bytes
 from llava.model.loading import load_model, shard_devices
+from llava.model.vision import most_image_tokens
 from llava.sessions.persist import persistence
 from llava.sessions.store import new_session_id
 
@@ -51,7 +52,7 @@ def image_open_bytes(engine: Engine) -> int:
     """Device bytes an open with an image reserves (llava.sched.work.OpenRequest): its opening
     prompt's KV and its features, in whole pool blocks (llava.kv.memory's accounting)."""
     config, pool = engine.loaded.model.config, engine.memory.pool
-    image_tokens = config.image_seq_length
+    image_tokens = most_image_tokens(engine.loaded.processor)  # the largest image's (NeXT)
     tokens = len(engine.loaded.prompt.opening_ids(True, image_tokens))
     per_token = pool.bytes_per_block // pool.block_tokens
     hidden, element = config.text_config.hidden_size, pool.kv.element_size()

@@ -61,7 +61,9 @@ class Attending:
 # each token the same angles alone or packed. "dynamic" and "longrope" rescale by the largest
 # position in the forward, which a packed batch would share across sequences.
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
-TEXT_MODEL_TYPES = frozenset({"llama"})
+# Text models whose decoder layers are LLaMA's (RMSNorm, rotate-half rotary, gated MLP), with
+# any number of KV heads: Vicuna and Yi are "llama", Mistral is "mistral".
+TEXT_MODEL_TYPES = frozenset({"llama", "mistral"})
 
 
 @dataclass
@@ -136,8 +138,9 @@ class Runner:
         text = model.config.text_config
         if text.model_type not in TEXT_MODEL_TYPES:
             return f"text model type {text.model_type!r} (runs: {sorted(TEXT_MODEL_TYPES)})"
-        if getattr(text, "sliding_window", None):
-            return "sliding-window attention"
+        window = getattr(text, "sliding_window", None)
+        if window and window < text.max_position_embeddings:  # a wider window is no window
+            return f"sliding-window attention (sliding_window {window})"
         rope = getattr(text, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:

@@ -1,8 +1,10 @@
 """Loading a llava-hf style checkpoint directory: processor, model, prompt, special ids.
 
-The same code path loads the committed demo model and ``llava-hf/llava-1.5-7b-hf``: both are
-directories with ``config.json``, safetensors weights, tokenizer and processor configs.
-Nothing here reaches a model hub.
+The same code path loads the committed demo model, ``llava-hf/llava-1.5-7b-hf`` and the
+LLaVA-NeXT checkpoints (``llava-hf/llava-v1.6-*``): directories with ``config.json``,
+safetensors weights, tokenizer and processor configs. Every check runs on the small files
+first (llava.model.checkpoint), so a checkpoint the engine cannot serve is refused before its
+weights are read. Nothing here reaches a model hub.
 """
 
 from __future__ import annotations
@@ -10,16 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from llava.config import SettingsError
-from llava.model.imageprep import image_aspect_ratio
+from llava.model.checkpoint import inspect_checkpoint
 from llava.model.prompt import ChatPrompt
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlavaForConditionalGeneration
+    model: object  # a LlavaForConditionalGeneration or LlavaNextForConditionalGeneration
     processor: object
     prompt: ChatPrompt
     device: torch.device
@@ -76,15 +77,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def _eos_ids(model, tokenizer) -> frozenset[int]:
-    ids = model.generation_config.eos_token_id
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        raise ValueError("checkpoint defines no eos token: answers would never end")
-    return frozenset(ids if isinstance(ids, list) else [ids])
-
-
 def load_model(
     model_dir: str, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
 ) -> LoadedModel:
@@ -92,25 +84,23 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     if torch_device.type == "cuda":  # kernels and allocations without a device go there too
         torch.cuda.set_device(torch_device)
-    processor = AutoProcessor.from_pretrained(model_dir)
+    checkpoint = inspect_checkpoint(model_dir)  # refuses in one line, before any weight
     # device_map: each tensor is read from safetensors straight onto the device; a 7B
     # checkpoint never sits in CPU RAM first (needs accelerate).
-    model = LlavaForConditionalGeneration.from_pretrained(
+    model = checkpoint.model_class.from_pretrained(
         model_dir,
         dtype=torch_dtype,
         attn_implementation=attn_implementation,
         device_map={"": torch_device},
     )
     model.eval()
-    prompt = ChatPrompt(processor)
-    prompt.check_stateful()
     return LoadedModel(
         model=model,
-        processor=processor,
-        prompt=prompt,
+        processor=checkpoint.processor,
+        prompt=checkpoint.prompt,
         device=torch_device,
         dtype=torch_dtype,
-        eos_token_ids=_eos_ids(model, processor.tokenizer),
+        eos_token_ids=checkpoint.eos_token_ids,
         max_positions=model.config.text_config.max_position_embeddings,
-        image_aspect_ratio=image_aspect_ratio(model.config),
+        image_aspect_ratio=checkpoint.image_aspect_ratio,
     )

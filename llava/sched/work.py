@@ -50,7 +50,7 @@ class RequestContext:
     store: SessionStore
     memory: MemoryManager
     prompt: ChatPrompt
-    encode_image: Callable[[torch.Tensor], torch.Tensor]  # pixels → (image tokens, hidden)
+    encode_image: Callable[[dict], torch.Tensor]  # vision inputs → (image tokens, hidden)
     tokenizer: object
     eos_token_ids: frozenset[int]
     banned_ids: object  # llava.sampling.logits_mask.banned_token_ids
@@ -220,7 +220,7 @@ class OpenRequest(_Request):
         self,
         context: RequestContext,
         deadline_s: float,
-        pixels: torch.Tensor | Callable[[], torch.Tensor] | None,
+        pixels: dict | Callable[[], dict] | None,
         session_id: str | None,
         image_key: bytes | None = None,
         system: str = "",

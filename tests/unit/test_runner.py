@@ -385,13 +385,14 @@ def test_llava_15_7b_is_supported():
 @pytest.mark.parametrize(
     ("text", "why"),
     [
-        ({"model_type": "mistral", "sliding_window": 4096}, "mistral"),
+        ({"model_type": "qwen2"}, "text model type 'qwen2'"),
+        ({"model_type": "mistral", "sliding_window": 1024}, "sliding_window 1024"),
         (
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
             "dynamic",
         ),
     ],
-    ids=["mistral-sliding-window", "dynamic-rope"],
+    ids=["qwen2", "mistral-sliding-window", "dynamic-rope"],
 )
 def test_unsupported_architectures_say_why(text, why):
     model = meta_llava(num_hidden_layers=1, **text)
