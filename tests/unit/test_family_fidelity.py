@@ -1,0 +1,206 @@
+"""Fidelity across the LLaVA family: LLaVA-NeXT's anyres images on Mistral, Vicuna and Yi shapes.
+
+Each family is a tiny random ``LlavaNextForConditionalGeneration`` built from
+llava-v1.6-mistral-7b-hf's own ``config.json`` (tests/fixtures) with the family's text model
+(reduced sizes, the family's KV-head grouping and rope) and the family's chat template; the
+tiling rules are the checkpoint's, at a 42-px tile (its 336 px / 8: the pinpoints shrink alike).
+The tokenizer is llava-1.5's LLaMA tokenizer, standing in for Mistral's and Yi's (their files
+are not reachable here; see the fixture's README): ids of text differ from those checkpoints',
+the templates and every image rule do not.
+
+The oracle is Hugging Face's own pipeline on the whole conversation each turn:
+``processor.apply_chat_template(..., tokenize=True)`` (which expands ``<image>`` as the
+checkpoint's processor counts it) and ``model.generate``. Greedy answers must equal it token for
+token over 10 turns, for images of six aspect ratios that pick different pinpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from transformers import AutoProcessor, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+from llava.config import EngineConfig
+from llava.engine import Engine
+from llava.kv.memory import MemoryBudget, Tier
+from llava.model.loading import load_model
+from llava.model.vision import image_tokens, most_image_tokens
+from tests.unit.test_checkpoint_fidelity import conversation, hf_inputs, last_prompt
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+NEXT = FIXTURES / "llava-v1.6-mistral-7b-hf"
+TILE_PX = 42  # 3 x 3 patches of 14 px a tile
+SCALE = TILE_PX / 336
+MAX_NEW = 6
+QUESTIONS = [
+    "What is in the image?",
+    "Where is the red part?",
+    "  Describe the left side.  ",
+    "How many shapes? 2 or 3",
+    "Café au lait, naïve?",
+    "这是什么？",
+    'He said "hi" and left.',
+    "What is at the top?",
+    "And the bottom?",
+    "Say it again, shorter.",
+]
+# (width, height): square, 2:1, 1:2, 3:1, 1:3, and an odd one between pinpoints
+IMAGE_SIZES = [(100, 100), (160, 80), (80, 160), (150, 50), (50, 150), (97, 61)]
+
+# llava-hf/llava-v1.6-34b-hf's template (Yi-34B chat: ChatML), as its processor prints it.
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] }}{% endfor %}{{'<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def fixture_template(name: str) -> str:
+    return json.loads((FIXTURES / name / "chat_template.json").read_text())["chat_template"]
+
+
+@dataclass(frozen=True)
+class Family:
+    text: dict  # the text model's config (reduced sizes, the family's shape)
+    template: str
+
+
+TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+FAMILIES = {
+    # Mistral-7B-Instruct-v0.2: GQA (32 query heads on 8 KV heads), rope theta 1e6, no window
+    "v1.6-mistral": Family(
+        {"num_attention_heads": 4, "num_key_value_heads": 2},  # the fixture's mistral text model
+        fixture_template("llava-v1.6-mistral-7b-hf"),
+    ),
+    # Vicuna-7B/13B: LLaMA with one KV head per query head; llava-1.5's USER/ASSISTANT template
+    "v1.6-vicuna": Family(
+        {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 4},
+        fixture_template("llava-1.5-7b-hf"),
+    ),
+    # Yi-34B: LLaMA's layers with GQA (56 query heads on 8 KV heads), rope theta 5e6, ChatML
+    "v1.6-34b-yi": Family(
+        {
+            "model_type": "llama",
+            "num_attention_heads": 8,
+            "num_key_value_heads": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
+        },
+        CHATML,
+    ),
+}
+
+
+def build_family(out: Path, family: Family) -> None:
+    raw = json.loads((NEXT / "config.json").read_text())
+    raw["text_config"].update(TINY_TEXT, **family.text)
+    raw["vision_config"].update(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=TILE_PX, projection_dim=32,
+    )  # fmt: skip
+    pinpoints = [[round(side * SCALE) for side in point] for point in raw["image_grid_pinpoints"]]
+    raw["image_grid_pinpoints"] = pinpoints
+    torch.manual_seed(0)
+    LlavaNextForConditionalGeneration(LlavaNextConfig(**raw)).save_pretrained(out)
+    processor = AutoProcessor.from_pretrained(NEXT)
+    processor.image_processor.crop_size = {"height": TILE_PX, "width": TILE_PX}
+    processor.image_processor.size = {"shortest_edge": TILE_PX}
+    processor.image_processor.image_grid_pinpoints = pinpoints
+    processor.chat_template = family.template
+    processor.save_pretrained(out)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def loaded(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    build_family(out, FAMILIES[request.param])
+    return load_model(str(out), device="cpu", dtype="float32")
+
+
+def new_engine(loaded) -> Engine:
+    return Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 28, host_bytes=1 << 26))
+
+
+def picture(width: int, height: int) -> Image.Image:
+    """Shapes off-centre, so tiles and the unpadded grid's edges see different pixels."""
+    image = Image.new("RGB", (width, height), (30, 90, 160))
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((width // 8, height // 6, width // 2, height // 2), fill=(220, 40, 40))
+    draw.ellipse((width // 2, height // 2, width - 3, height - 3), fill=(240, 220, 60))
+    return image
+
+
+def hf_answer(engine: Engine, inputs: dict) -> list[int]:
+    out = engine.loaded.model.generate(
+        **inputs, do_sample=False, max_new_tokens=MAX_NEW, suppress_tokens=engine.context.banned_ids
+    )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("size", IMAGE_SIZES, ids=[f"{w}x{h}" for w, h in IMAGE_SIZES])
+def test_ten_turns_equal_hf_generate_token_for_token(loaded, size):
+    engine = new_engine(loaded)
+    image = picture(*size)
+    opened = engine.open(image)
+    counted = image_tokens(loaded.processor, *size)
+    assert opened.image_tokens == counted  # the features' rows are the processor's count
+    held = engine.store.session(opened.session_id).holding
+    assert held.image_tokens == counted  # and the memory manager accounts for that many
+    turns: list[tuple[str, str]] = []
+    before: list[int] = []  # the previous turn's prompt
+    for question in QUESTIONS:
+        answer = engine.ask(opened.session_id, question, {"max_new_tokens": MAX_NEW})
+        inputs = hf_inputs(loaded, conversation(turns, question, image))
+        canonical = inputs["input_ids"][0].tolist()
+        assert canonical.count(loaded.model.config.image_token_id) == counted
+        assert last_prompt(engine, opened.session_id, answer) == canonical, question
+        assert list(answer.token_ids) == hf_answer(engine, inputs), question
+        # the KV of the previous prompt was reused, but for the pool block where the history
+        # and the new prompt part (a random model's answer may start without a space, which
+        # the template's " " + answer then tokenizes otherwise)
+        assert answer.cached_tokens > len(before) - engine.memory.pool.block_tokens, question
+        turns.append((question, answer.text))
+        before = canonical
+
+
+def test_the_six_images_pick_different_pinpoints(loaded):
+    counts = [image_tokens(loaded.processor, *size) for size in IMAGE_SIZES]
+    assert len(set(counts)) >= 5, counts
+    assert max(counts) <= most_image_tokens(loaded.processor)
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.FEATURES], ids=["host", "features"])
+def test_a_session_moved_down_a_tier_goes_on_as_hf_generate(loaded, tier):
+    """The tiers keep the real per-session count: restored KV, or features re-prefilled."""
+    engine = new_engine(loaded)
+    image = picture(*IMAGE_SIZES[3])
+    session_id = engine.open(image).session_id
+    turns: list[tuple[str, str]] = []
+    for n, question in enumerate(QUESTIONS[:4]):
+        if n == 2:
+            holding = engine.store.session(session_id).holding
+            while holding.tier is not tier:
+                engine.memory.move_down(holding)
+        answer = engine.ask(session_id, question, {"max_new_tokens": MAX_NEW})
+        inputs = hf_inputs(loaded, conversation(turns, question, image))
+        assert list(answer.token_ids) == hf_answer(engine, inputs), question
+        assert answer.tier is (tier if n == 2 else Tier.KV)
+        turns.append((question, answer.text))
+
+
+def test_two_sessions_on_one_image_share_its_features(loaded):
+    engine = Engine(loaded, EngineConfig(model_dir="-", share_prefixes=True), MemoryBudget(1 << 28))
+    image = picture(*IMAGE_SIZES[1])
+    first = engine.open(image)
+    second = engine.open(image)
+    assert second.cached_tokens >= first.image_tokens  # the image's tokens were not redone
+    a = engine.ask(first.session_id, QUESTIONS[0], {"max_new_tokens": MAX_NEW})
+    b = engine.ask(second.session_id, QUESTIONS[0], {"max_new_tokens": MAX_NEW})
+    assert a.token_ids == b.token_ids
