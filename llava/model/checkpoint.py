@@ -36,7 +36,6 @@ MODEL_CLASSES = {
     "llava": (LlavaForConditionalGeneration, "LlavaProcessor"),
     "llava_next": (LlavaNextForConditionalGeneration, "LlavaNextProcessor"),
 }
-FEATURE_STRATEGIES = ("default", "full")  # NeXT: drop the CLS feature, or keep it
 
 
 class UnsupportedCheckpoint(SettingsError):
@@ -69,8 +68,8 @@ def inspect_checkpoint(model_dir: str | Path) -> Inspected:
         return _inspect(model_dir)
     except UnsupportedCheckpoint:
         raise
-    except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' own refusals
-        raise UnsupportedCheckpoint(model_dir, _first_line(e)) from e
+    except Exception as e:  # transformers' own refusals come in many types, often multi-line
+        raise UnsupportedCheckpoint(model_dir, _flattened(e)) from e
 
 
 def _inspect(model_dir: str) -> Inspected:
@@ -80,7 +79,7 @@ def _inspect(model_dir: str) -> Inspected:
         raise UnsupportedCheckpoint(model_dir, f"model type {model_type!r} (serves: {known})")
     model_class, processor_class = MODEL_CLASSES[model_type]
     config = AutoConfig.from_pretrained(model_dir)
-    problem = _config_problem(config) or _runner_problem(model_class, config)
+    problem = _runner_problem(model_class, config)
     if problem:
         raise UnsupportedCheckpoint(model_dir, problem)
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -107,17 +106,6 @@ def _model_type(model_dir: str) -> str | None:
         return json.loads(path.read_text()).get("model_type")
     except (json.JSONDecodeError, AttributeError) as e:
         raise UnsupportedCheckpoint(model_dir, f"config.json is not a JSON object: {e}") from e
-
-
-def _config_problem(config) -> str | None:
-    if config.model_type != "llava_next":
-        return None
-    strategy = config.vision_feature_select_strategy
-    if strategy not in FEATURE_STRATEGIES:
-        return f"vision_feature_select_strategy {strategy!r} (serves: {FEATURE_STRATEGIES})"
-    if not config.image_grid_pinpoints:
-        return "llava_next without image_grid_pinpoints"
-    return None
 
 
 def _runner_problem(model_class: type, config) -> str | None:
@@ -159,6 +147,7 @@ def _eos_ids(model_dir: str, config, tokenizer) -> frozenset[int]:
     return frozenset(ids if isinstance(ids, list) else [ids])
 
 
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+def _flattened(error: Exception, limit: int = 300) -> str:
+    """``Type: message`` on one line (a config validation error names the field on line 2)."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:limit]}"
