@@ -8,11 +8,11 @@
 - ``sched/``: the engine loop, the scheduler, and the requests they run.
 - ``exec/``: one packed forward step over the pool (attention, step metadata, CUDA graphs).
 - ``sampling/``: from a step's logits to each answer's ids and text.
-- ``model/``: the checkpoint, its chat template, image preparation.
+- ``model/``: the checkpoint (whether it is served), its chat template, its images' features.
 - ``intake/``: an image source (URL, s3://, bytes) to an RGB image, safely by default.
 
 Importable and testable without TorchServe (``handlers/`` adapts it to the wire). Imports run
 one way (tests/unit/test_tree_map.py): ``shards`` → ``engine`` → ``sched`` → ``sessions``,
-``exec``, ``model`` → ``kv``, ``sampling`` → ``config`` → ``intake`` → ``errors``,
-``counters``. What happens in one ask: docs/engine/life-of-a-turn.md.
+``model`` → ``exec`` → ``kv``, ``sampling`` → ``config`` → ``intake`` → ``errors``,
+``counters`` (``model`` asks ``exec``'s runner which text models it computes exactly). What happens in one ask: docs/engine/life-of-a-turn.md.
 """

@@ -4,10 +4,10 @@ LLaVA-1.5 resizes an image to one 336-px view: always the same number of image t
 LLaVA-NeXT ("anyres") picks the ``image_grid_pinpoints`` resolution that fits the image best,
 cuts it into 336-px tiles plus one global view, drops the padding rows and columns of the tiled
 grid, and ends every feature row with the learned ``image_newline``: the image-token count
-depends on the image's size (1,512 to 2,928 for llava-v1.6-mistral-7b-hf). Both go through the
+depends on the image's size (up to 2,928 for llava-v1.6-mistral-7b-hf). Both go through the
 same two calls here: the processor makes the model's inputs (``image_sizes`` too, for NeXT) and
 the model's own ``get_image_features`` makes the features, so their row count is the count the
-checkpoint's processor puts in the prompt (docs/engine/prompt-fidelity.md §Image tokens).
+checkpoint's processor puts in the prompt (docs/models.md §LLaVA-NeXT images).
 """
 
 from __future__ import annotations
