@@ -16,6 +16,7 @@ token over 10 turns, for images of six aspect ratios that pick different pinpoin
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from llava.engine import Engine
 from llava.kv.memory import MemoryBudget, Tier
 from llava.model.loading import load_model
 from llava.model.vision import image_tokens, most_image_tokens
+from scripts.handler_harness import InProcessWorker
+from tests.intake_servers import image_bytes
 from tests.unit.test_checkpoint_fidelity import conversation, hf_inputs, last_prompt
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -204,3 +207,26 @@ def test_two_sessions_on_one_image_share_its_features(loaded):
     a = engine.ask(first.session_id, QUESTIONS[0], {"max_new_tokens": MAX_NEW})
     b = engine.ask(second.session_id, QUESTIONS[0], {"max_new_tokens": MAX_NEW})
     assert a.token_ids == b.token_ids
+
+
+def test_the_handler_serves_a_session_over_the_wire(loaded):
+    """Through the handler (in process): the image as PNG bytes, intake's decode, the reply's
+    imageTokens, and the answer HF generate gives."""
+    engine = new_engine(loaded)
+    worker = InProcessWorker(engine)
+    try:
+        image = picture(*IMAGE_SIZES[2])
+        png = base64.b64encode(image_bytes(image)).decode()
+        opened = worker.invoke({"requestType": "NEW_SESSION", "image": {"b64": png}})
+        assert opened.status == 200, opened.text
+        assert opened.json()["imageTokens"] == image_tokens(loaded.processor, *IMAGE_SIZES[2])
+        session = {"X-Amzn-SageMaker-Session-Id": opened.json()["sessionId"]}
+        body = {"requestType": "SESSION", "inputs": QUESTIONS[0]}
+        reply = worker.invoke({**body, "parameters": {"max_new_tokens": MAX_NEW}}, session)
+        assert reply.status == 200, reply.text
+        inputs = hf_inputs(loaded, conversation([], QUESTIONS[0], image))
+        expected = hf_answer(engine, inputs)
+        text = loaded.tokenizer.decode(expected, skip_special_tokens=True)
+        assert reply.json()["generation"]["text"] == text
+    finally:
+        worker.stop()
