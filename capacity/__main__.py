@@ -2,6 +2,8 @@
 
 python -m capacity --model-dir DIR [--instance ml.g5.2xlarge | --gpu-memory 24GiB]
                    [--turns 10] [--tokens-per-turn 60] [--dtype float16]
+
+A checkpoint the engine would refuse at start: its one-line reason on stderr, exit 1.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from capacity.instances import INSTANCES, GiB, Instance
 from capacity.sizing import Workload, load_checkpoint, parse_size, report
-from llava.config import EngineConfig
+from llava.config import EngineConfig, SettingsError
 from llava.kv.budget import DEFAULT_HOST_FRACTION
 
 
@@ -65,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = {name: INSTANCES[name] for name in args.instance}
     else:
         rows = INSTANCES
-    checkpoint = load_checkpoint(args.model_dir, getattr(torch, args.dtype))
+    try:
+        checkpoint = load_checkpoint(args.model_dir, getattr(torch, args.dtype))
+    except SettingsError as e:  # UnsupportedCheckpoint: what the engine's start would fail with
+        print(e, file=sys.stderr)
+        return 1
     workload = Workload(args.turns, args.tokens_per_turn)
     print(report(checkpoint, workload, rows, args.host_fraction, EngineConfig(args.model_dir)))
-    return 0 if checkpoint.refusal is None else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """How many sessions an instance holds: bytes per session at each memory tier, by arithmetic.
 
-Reads the checkpoint's config.json, tokenizer and chat template only (no weights): the model is
-built on PyTorch's meta device, so its parameter bytes are exact and nothing is allocated. The
-per-session bytes come from the engine's own accounting: the KV pool's bytes per token and block
-size (llava.kv.pool), a session's KV and features in whole pool blocks (llava.kv.memory), the
-opening prompt (llava.model.prompt) and the engine's budget rule (llava.kv.budget)
+Reads the checkpoint's config.json, tokenizer, processor and chat template only (no weights),
+through the engine's own start checks (llava.model.checkpoint.inspect_checkpoint: a checkpoint
+the engine refuses raises UnsupportedCheckpoint, one line); the model is built on PyTorch's meta
+device, so its parameter bytes are exact and nothing is allocated. A session's image tokens are
+the most any image gets (llava.model.vision.most_image_tokens: LLaVA-NeXT's count depends on the
+image's size), so the per-session bytes are the worst case. They come from the engine's own
+accounting: the KV pool's bytes per token (GQA's KV heads included) and block size
+(llava.kv.pool), a session's KV and features in whole pool blocks (llava.kv.memory), the opening
+prompt (llava.model.prompt) and the engine's budget rule (llava.kv.budget)
 (docs/deploy.md §Capacity by arithmetic).
 Kept thin on purpose: each number is one call into the code that does the accounting.
 """
@@ -19,16 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
 
 from capacity.instances import GB, GiB, Instance
 from llava.config import EngineConfig
-from llava.exec.runner import Runner
 from llava.kv.budget import device_split
 from llava.kv.memory import session_feature_bytes, session_kv_bytes
 from llava.kv.pool import BLOCK_TOKENS, kv_bytes_per_token
-from llava.model.imageprep import image_aspect_ratio
-from llava.model.prompt import ChatPrompt
+from llava.model.checkpoint import inspect_checkpoint
+from llava.model.vision import most_image_tokens
 from llava.sessions.persist import Snapshot, entry_bytes
 
 
@@ -51,48 +53,39 @@ class SessionBytes:
 @dataclass(frozen=True)
 class Checkpoint:
     name: str
+    family: str  # config.json's model_type: "llava" (1.5) or "llava_next"
     dtype: torch.dtype
     weight_bytes: int
+    image_tokens: int  # the most any image gets: a session's worst case
     opening_tokens: int  # BOS, template and image tokens prefilled at open
     kv_bytes_per_token: int
     feature_bytes: int
     feature_shape: tuple[int, int]  # (image tokens, hidden): the persistent tier's copy
-    refusal: str | None  # None: the engine runs it; else the message its start fails with
 
 
 def load_checkpoint(model_dir: str, dtype: torch.dtype) -> Checkpoint:
-    """The numbers capacity needs from ``model_dir``, without reading any weights."""
-    config = LlavaConfig.from_pretrained(model_dir)
+    """The numbers capacity needs from ``model_dir``, without reading any weights. Raises
+    llava.model.checkpoint.UnsupportedCheckpoint (one line) where the engine's start would."""
+    inspected = inspect_checkpoint(model_dir)
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config).to(dtype)
-    prompt = ChatPrompt(AutoProcessor.from_pretrained(model_dir))
-    image_tokens = config.image_seq_length
-    per_token = kv_bytes_per_token(config.text_config, dtype)
+        model = inspected.model_class(inspected.config).to(dtype)
+    text_config = inspected.config.text_config
+    image_tokens = most_image_tokens(inspected.processor)
+    per_token = kv_bytes_per_token(text_config, dtype)
     return Checkpoint(
         name=Path(model_dir).name,
+        family=inspected.family,
         dtype=dtype,
         weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        opening_tokens=len(prompt.opening_ids(True, image_tokens)),
+        image_tokens=image_tokens,
+        opening_tokens=len(inspected.prompt.opening_ids(True, image_tokens)),
         kv_bytes_per_token=per_token,
         # (image tokens, hidden) in the model's dtype, stored in whole pool blocks
         feature_bytes=session_feature_bytes(
-            image_tokens, config.text_config.hidden_size, dtype.itemsize, BLOCK_TOKENS * per_token
+            image_tokens, text_config.hidden_size, dtype.itemsize, BLOCK_TOKENS * per_token
         ),
-        feature_shape=(image_tokens, config.text_config.hidden_size),
-        refusal=refusal(model, prompt),
+        feature_shape=(image_tokens, text_config.hidden_size),
     )
-
-
-def refusal(model, prompt: ChatPrompt) -> str | None:
-    """What the engine's start would fail with (the checks llava.model.loading and
-    llava.exec.runner run)."""
-    try:
-        Runner.check(model)
-        image_aspect_ratio(model.config)
-        prompt.check_stateful()
-    except ValueError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 # The persistent tier's copy of the conversation's text, in characters a token (English).
@@ -181,6 +174,12 @@ def persistent_tier_lines(per: SessionBytes, config: EngineConfig) -> list[str]:
     return [f"    {cap // per.persisted:>9,} sessions in {_mib(cap)}: {what}" for what, cap in caps]
 
 
+def _image_count(checkpoint: Checkpoint) -> str:
+    if checkpoint.family == "llava_next":
+        return "the largest image; NeXT counts depend on the image size"
+    return "the same for every image"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -194,12 +193,8 @@ def report(
 ) -> str:
     per = session_bytes(checkpoint, workload)
     lines = [
-        f"checkpoint {checkpoint.name}: "
-        + (
-            "the engine runs it"
-            if checkpoint.refusal is None
-            else f"REFUSED at start: {checkpoint.refusal}"
-        ),
+        f"checkpoint {checkpoint.name} ({checkpoint.family}): the engine runs it",
+        f"image tokens per session: {checkpoint.image_tokens:,} ({_image_count(checkpoint)})",
         f"weights {_gib(checkpoint.weight_bytes)} in {str(checkpoint.dtype).removeprefix('torch.')}"
         f"; KV {checkpoint.kv_bytes_per_token / 2**10:,.0f} KiB per token"
         f" (pool blocks of {BLOCK_TOKENS} tokens)",

@@ -1,10 +1,14 @@
 """python -m capacity: its per-session bytes are what the engine really counts, its 7B
-figures follow from the config alone, and it says which checkpoints the engine refuses."""
+figures follow from the config alone (LLaVA-NeXT's at its largest image, Mistral's GQA KV), and
+a checkpoint the engine refuses is refused in one line before anything is sized."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -21,10 +25,14 @@ from capacity.sizing import (
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv.memory import MemoryBudget, Tier
+from llava.kv.memory import MemoryBudget, Tier, session_kv_bytes
+from llava.model.checkpoint import inspect_checkpoint
+from llava.model.vision import image_tokens
 from tests.conftest import DEMO_MODEL_DIR, REPO
 
 LLAVA_15 = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
+LLAVA_NEXT = REPO / "tests" / "fixtures" / "llava-v1.6-mistral-7b-hf"
+NEXT_ROWS = ("ml.g5.2xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge")
 
 
 def test_an_opened_session_holds_exactly_the_bytes_capacity_predicts(demo_model):
@@ -51,7 +59,7 @@ def test_a_sessions_persistent_entry_takes_about_what_capacity_predicts(demo_mod
 
 def test_llava_15_7b_from_its_config_alone():
     checkpoint = load_checkpoint(str(LLAVA_15), torch.float16)
-    assert checkpoint.refusal is None
+    assert (checkpoint.family, checkpoint.image_tokens) == ("llava", 576)
     assert checkpoint.kv_bytes_per_token == 32 * 2 * 32 * 128 * 2  # layers, K+V, heads, dim, fp16
     assert 7.0e9 < checkpoint.weight_bytes / 2 < 7.1e9  # 7.06 B parameters
     # 576 x 4096 fp16 features (4.5 MiB) take one whole pool block of 16 tokens x 512 KiB
@@ -85,6 +93,34 @@ def test_a_multi_gpu_instance_holds_one_shards_sessions_per_gpu():
     assert instance.host_kv == 4 * one_gpu.host_kv == 4 * ((48 * 2**30 // 4) // per.kv) == 80
 
 
+def test_llava_next_mistral_7b_sizes_its_largest_image_and_gqa_kv():
+    """llava-v1.6-mistral-7b-hf: 2,928 image tokens (a 672 x 672 image: 4 tiles + the
+    global view, nothing unpadded), and Mistral's 8 KV heads of 128: a quarter of llava-1.5's
+    KV per token, so a session of three times the tokens still holds fewer bytes."""
+    checkpoint = load_checkpoint(str(LLAVA_NEXT), torch.bfloat16)
+    assert (checkpoint.family, checkpoint.image_tokens) == ("llava_next", 2928)
+    processor = inspect_checkpoint(LLAVA_NEXT).processor
+    assert image_tokens(processor, 640, 480) < checkpoint.image_tokens  # fewer for most images
+    assert checkpoint.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2  # layers, K+V, KV heads, dim
+    assert 7.5e9 < checkpoint.weight_bytes / 2 < 7.6e9  # 7.57 B parameters
+    assert checkpoint.image_tokens < checkpoint.opening_tokens < checkpoint.image_tokens + 20
+    # 2,928 x 4096 bf16 features (22.9 MiB) in 12 whole pool blocks of 16 tokens x 128 KiB
+    assert checkpoint.feature_shape == (2928, 4096)
+    assert checkpoint.feature_bytes == 12 * 16 * checkpoint.kv_bytes_per_token
+    per = session_bytes(checkpoint, Workload(turns=10, tokens_per_turn=60))
+    assert per.kv == -(-per.tokens // 16) * 16 * 128 * 2**10
+    llava_15 = load_checkpoint(str(LLAVA_15), torch.bfloat16)
+    assert 4 * checkpoint.kv_bytes_per_token == llava_15.kv_bytes_per_token
+    same = session_kv_bytes(per.tokens, llava_15.kv_bytes_per_token, 16)
+    assert 4 * per.kv == same
+    older = session_bytes(llava_15, Workload(turns=10, tokens_per_turn=60))
+    assert per.tokens > 2.5 * older.tokens and per.kv + per.features < older.kv + older.features
+    g5 = INSTANCES["ml.g5.2xlarge"]
+    room = fit(checkpoint, per, g5.gpu_memory_bytes, g5.host_memory_bytes // 4, EngineConfig("-"))
+    assert room.device_kv == 17 == room.device_budget // (per.kv + per.features)
+    assert room.host_kv == 18 and room.features_only == room.device_budget // (24 * 2**20)
+
+
 def test_the_cli_prints_the_table_for_one_instance(capsys):
     assert (
         capacity_cli(["--model-dir", str(LLAVA_15), "--instance", "ml.g6e.xlarge", "--turns", "4"])
@@ -92,23 +128,97 @@ def test_the_cli_prints_the_table_for_one_instance(capsys):
     )
     printed = capsys.readouterr().out
     assert "the engine runs it" in printed and "512 KiB per token" in printed
+    assert "image tokens per session: 576 (the same for every image)" in printed
     rows = [line for line in printed.splitlines() if line.startswith("ml.")]
     assert [row.split()[0] for row in rows] == ["ml.g6e.xlarge"]
     assert "NVIDIA L40S datasheet" in printed  # every figure says where it came from
 
 
-def test_a_checkpoint_the_runner_cannot_run_is_reported_with_the_engines_message(tmp_path, capsys):
-    model_dir = tmp_path / "sliding"
-    shutil.copytree(LLAVA_15, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["text_config"].update(model_type="mistral", sliding_window=4096, num_hidden_layers=1)
-    (model_dir / "config.json").write_text(json.dumps(config))
-    assert capacity_cli(["--model-dir", str(model_dir), "--gpu-memory", "24GiB"]) == 1
+def test_the_cli_sizes_llava_next_on_the_three_instances(capsys):
+    flags = [arg for name in NEXT_ROWS for arg in ("--instance", name)]
+    assert capacity_cli(["--model-dir", str(LLAVA_NEXT), *flags]) == 0
     printed = capsys.readouterr().out
+    assert "checkpoint llava-v1.6-mistral-7b-hf (llava_next): the engine runs it" in printed
     assert (
-        "REFUSED at start: ValueError: the step runner cannot run this model: "
-        "text model type 'mistral'" in printed
+        "image tokens per session: 2,928 (the largest image; NeXT counts depend on the image size)"
+        in printed
     )
+    assert "128 KiB per token" in printed
+    rows = {line.split()[0]: line.split() for line in printed.splitlines() if line[:3] == "ml."}
+    assert tuple(rows) == NEXT_ROWS
+    # instance, GPUs, GPU mem (2), host RAM (2), budget (2), device KV, host KV, features
+    hot = {name: int(row[8].replace(",", "")) for name, row in rows.items()}
+    assert hot == {"ml.g5.2xlarge": 17, "ml.g5.12xlarge": 4 * 17, "ml.p4d.24xlarge": 8 * 40}
+
+
+# Renders only the last user message: every turn would rewrite the prompt a session's KV holds.
+LAST_MESSAGE_ONLY = (
+    "{% set m = messages[-1] %}[INST] {% for c in m['content'] %}"
+    "{% if c['type'] == 'text' %}{{ c['text'] }}{% else %}<image>\n{% endif %}{% endfor %}"
+    " [/INST]"
+)
+
+
+def _config(change):
+    def edit(model_dir):
+        config = json.loads((model_dir / "config.json").read_text())
+        change(config)
+        (model_dir / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+def _last_message_only(model_dir):
+    (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": LAST_MESSAGE_ONLY}))
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (
+            _config(lambda c: c["text_config"].update(model_type="qwen2")),
+            "text model type 'qwen2' (runs: ['llama', 'mistral'])",
+        ),
+        (
+            _config(lambda c: c["text_config"].update(sliding_window=1024)),
+            "sliding-window attention (sliding_window 1024)",
+        ),
+        (
+            _config(lambda c: c.update(model_type="paligemma")),
+            "model type 'paligemma' (serves: llava, llava_next)",
+        ),
+        (_last_message_only, "ValueError: chat template is not append-only in tokens"),
+    ],
+    ids=["qwen2", "sliding-window", "paligemma", "template"],
+)
+def test_a_checkpoint_the_engine_refuses_is_refused_in_one_line(tmp_path, edit, named):
+    """The engine start's own refusal (llava.model.checkpoint), on stderr, exit 1, no table and
+    no traceback, in seconds: nothing but the small files is read."""
+    model_dir = tmp_path / "checkpoint"
+    shutil.copytree(LLAVA_NEXT, model_dir)
+    edit(model_dir)
+    began = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "capacity",
+            "--model-dir",
+            str(model_dir),
+            "--instance",
+            "ml.g5.2xlarge",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - began
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"bad setting model_dir: {model_dir} cannot be served: {named}"), line
+    assert took < 30, took
 
 
 @pytest.mark.parametrize(
