@@ -107,7 +107,8 @@ build-demo-model: setup
 	$(PY) -m demo_model.build --out $(or $(MODEL_DIR),$(DEMO_MODEL_DIR))
 
 # Always rebuilt (seconds for the demo model or a reference): a stale .mar is worse than a
-# rebuild. Refuses a missing or empty MODEL_DIR at once.
+# rebuild. Refuses at once, in one line, a missing or empty MODEL_DIR or a checkpoint the
+# engine does not serve (docs/models.md §Refused, and why).
 mar: setup
 	$(PY) -m serving.mar --remember $(MAR_CHOICE)
 

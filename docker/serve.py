@@ -9,6 +9,8 @@ it answers 200; model data is under ``/opt/ml/model``. This process
      MAR_WEIGHTS=reference MODEL_DIR=/opt/ml/model/<dir>`` for weights beside it);
    - a checkpoint (``config.json``) in the directory itself: archived at start with our
      handler, the weights referenced in place (nothing is copied);
+   either way a checkpoint the engine does not serve (llava.model.checkpoint: its small files
+   only, seconds, no weight read) stops the start with one line, exit 2, like a bad setting;
 3. starts the front on the public port at once (``/ping`` 503) and TorchServe on internal
    loopback ports, and waits until the management API reports a READY worker (``/ping`` 200);
 4. when the READY worker dies, restarts the whole TorchServe instance (serving/supervisor.py;
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -62,7 +65,7 @@ from llava.config import (
 )
 from serving.emf import LOCAL_ENDPOINT, NAMESPACE, EmfReporter, endpoint_name
 from serving.front import Front
-from serving.mar import build_mar
+from serving.mar import NotACheckpoint, build_mar
 from serving.supervisor import RestartLimit, Supervisor
 from serving.torchserve import TorchServeError, TorchServeInstance
 
@@ -71,6 +74,7 @@ from serving.torchserve import TorchServeError, TorchServeInstance
 APP = Path(__file__).resolve().parents[1]
 
 MODEL_NAME = "llava"
+WEIGHT_FILES = (".safetensors", ".bin", ".pt")  # what the checkpoint checks never read
 
 
 class SettingError(ValueError):
@@ -150,40 +154,61 @@ def check_engine_env(environ: dict[str, str]) -> None:
 
 
 def resolve_model(model_dir: Path, work_dir: Path) -> tuple[Path, str]:
-    """The model store and model name to serve from ``model_dir`` (see the module docstring)."""
+    """The model store and model name to serve from ``model_dir`` (see the module docstring).
+    A checkpoint the engine does not serve is refused here, from its small files, in seconds."""
     if not model_dir.is_dir():
         raise SettingError(f"model directory {model_dir} not found")
     mars = sorted(model_dir.glob("*.mar"))
     if len(mars) > 1:
         raise SettingError(f"{len(mars)} .mar files in {model_dir}, expected one: {mars}")
     if mars:
-        _check_referenced_weights(mars[0])
+        # Imported here: torch and transformers, which a bad setting's refusal doesn't need.
+        from llava.model.checkpoint import UnsupportedCheckpoint, inspect_checkpoint
+
+        try:
+            inspect_checkpoint(mar_checkpoint(mars[0], work_dir / "mar-checkpoint"))
+        except UnsupportedCheckpoint as e:
+            raise SettingError(f"{mars[0].name}: {e.problem}") from None
         return model_dir, mars[0].stem
     if (model_dir / "config.json").is_file():
         store = work_dir / "model-store"
-        build_mar(
-            model_dir,
-            "reference",
-            config=APP / "model-config.yaml",
-            export_path=store,
-            model_name=MODEL_NAME,
-        )
+        try:
+            build_mar(
+                model_dir,
+                "reference",
+                config=APP / "model-config.yaml",
+                export_path=store,
+                model_name=MODEL_NAME,
+            )
+        except NotACheckpoint as e:
+            raise SettingError(str(e)) from None
         return store, MODEL_NAME
     raise SettingError(
         f"no model in {model_dir}: expected one .mar (make mar) or a checkpoint (config.json)"
     )
 
 
-def _check_referenced_weights(mar: Path) -> None:
-    """A .mar archived with ``--weights reference`` names an absolute directory: it must exist."""
+def mar_checkpoint(mar: Path, scratch: Path) -> Path:
+    """The checkpoint directory a .mar serves: the absolute one that ``--weights reference``
+    names, or, for weights inside, the archived one's files but the weights, extracted under
+    ``scratch`` (what the checks read; the weights stay in the archive)."""
     try:
         with zipfile.ZipFile(mar) as archive:
             config = yaml.safe_load(archive.read("model-config.yaml")) or {}
+            checkpoint = Path(config.get("handler", {}).get("model_dir", "."))
+            if checkpoint.is_absolute():
+                if not checkpoint.is_dir():
+                    raise SettingError(
+                        f"{mar.name} references weights at {checkpoint}, which is not there"
+                    )
+                return checkpoint
+            inside = "" if checkpoint == Path(".") else f"{checkpoint.as_posix()}/"
+            shutil.rmtree(scratch, ignore_errors=True)
+            small = [n for n in archive.namelist() if not n.endswith(WEIGHT_FILES)]
+            archive.extractall(scratch, [n for n in small if n.startswith(inside)])
+            return scratch / checkpoint
     except (zipfile.BadZipFile, KeyError, yaml.YAMLError) as e:
         raise SettingError(f"{mar} is not a .mar built by make mar: {e}") from None
-    weights = Path(config.get("handler", {}).get("model_dir", "."))
-    if weights.is_absolute() and not weights.is_dir():
-        raise SettingError(f"{mar.name} references weights at {weights}, which is not there")
 
 
 class Stopped(Exception):

@@ -16,7 +16,9 @@ deleting what is there: each run gets its own TMPDIR so parallel builds don't cl
 
 ``--weights reference`` copies nothing: handler.model_dir is the absolute path given, which
 must exist where TorchServe runs (operators' 14 GB checkpoints stay out of the archive).
-An existing .mar of the same name is overwritten.
+An existing .mar of the same name is overwritten. A model dir the engine does not serve is
+refused in one line before anything is archived (llava.model.checkpoint: its small files
+only, seconds; a handler other than the engine's, such as a test's probe, skips this).
 
 ``--remember`` (what ``make mar`` passes) records the model dir and weights mode next to the
 archive (``<name>.source.json``); a later build given neither, as ``make serve``'s, archives the
@@ -40,15 +42,22 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("llava", "handlers", "llava_wire")
 WEIGHTS_SUBDIR = "weights"
+HANDLER = ROOT / "handlers" / "llava_handler.py"  # the engine's; a test's probe needs no checks
 DEMO_CHOICE = {"model_dir": str(ROOT / "models" / "demo-llava"), "weights": "inside"}
 
 
 class NotACheckpoint(ValueError):
-    """The model dir is missing, empty, or lacks config.json or safetensors weights."""
+    """The model dir is missing, empty, lacks config.json or safetensors weights, or holds a
+    checkpoint the engine does not serve; ``str()`` is one line."""
 
 
-def check_model_dir(model_dir: Path) -> None:
-    """Refuse at once what cannot be a checkpoint, rather than a worker failing to load it."""
+def check_model_dir(model_dir: Path, *, engine: bool = True) -> None:
+    """Refuse at once what cannot be served, rather than a worker failing to load it.
+
+    ``engine``: also run the engine's checkpoint checks (llava.model.checkpoint: the small files
+    only, no weight read, seconds); off for a handler other than the engine's, which serves
+    whatever it likes.
+    """
     if not model_dir.is_dir():
         raise NotACheckpoint(f"model dir not found: {model_dir}")
     if not any(model_dir.iterdir()):
@@ -57,6 +66,14 @@ def check_model_dir(model_dir: Path) -> None:
         raise NotACheckpoint(f"no config.json in {model_dir}: not a llava-hf checkpoint dir")
     if not any(model_dir.glob("*.safetensors")):
         raise NotACheckpoint(f"no *.safetensors weights in {model_dir}")
+    if engine:
+        # Imported here: torch and transformers, which the cheap refusals above don't need.
+        from llava.model.checkpoint import UnsupportedCheckpoint, inspect_checkpoint
+
+        try:
+            inspect_checkpoint(model_dir)
+        except UnsupportedCheckpoint as e:
+            raise NotACheckpoint(e.problem) from None
 
 
 def choice_file(export_path: str | Path, model_name: str) -> Path:
@@ -75,14 +92,14 @@ def build_mar(
     model_dir: str | Path,
     weights: str = "inside",
     *,
-    handler: str | Path = ROOT / "handlers" / "llava_handler.py",
+    handler: str | Path = HANDLER,
     config: str | Path = ROOT / "model-config.yaml",
     export_path: str | Path = ROOT / "model-store",
     model_name: str = "llava",
 ) -> Path:
     """Archive and return the path of ``<export_path>/<model_name>.mar``."""
     model_dir, handler = Path(model_dir), Path(handler)
-    check_model_dir(model_dir)
+    check_model_dir(model_dir, engine=handler.resolve() == HANDLER)
     if not handler.is_file():
         raise FileNotFoundError(f"handler not found: {handler}")
 
@@ -136,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, help="default: the remembered one, else demo")
     parser.add_argument("--weights", choices=["inside", "reference"], help="default: likewise")
     parser.add_argument("--remember", action="store_true", help="default for later builds")
-    parser.add_argument("--handler", default=ROOT / "handlers" / "llava_handler.py", type=Path)
+    parser.add_argument("--handler", default=HANDLER, type=Path)
     parser.add_argument("--config", default=ROOT / "model-config.yaml", type=Path)
     parser.add_argument("--export-path", default=ROOT / "model-store", type=Path)
     parser.add_argument("--model-name", default="llava")

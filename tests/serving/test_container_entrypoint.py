@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -24,10 +25,11 @@ import psutil
 import pytest
 import requests
 
-from serving.mar import build_mar
+from serving.mar import WEIGHTS_SUBDIR, build_mar
 from serving.torchserve import free_ports
 from tests.conftest import DEMO_MODEL_DIR, REPO
 from tests.container_helpers import FrontClient
+from tests.unit.test_checkpoint_refusal import REFUSAL_S, UNSUPPORTED, fixture_copy
 
 pytestmark = pytest.mark.torchserve
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
@@ -171,7 +173,8 @@ def test_ping_is_200_only_once_ready_then_serves_and_stops(tmp_path, kind):
 
 def test_model_that_fails_to_load_exits_nonzero_and_never_pings_200(tmp_path):
     model_dir = lay_out(tmp_path / "opt-ml-model", "checkpoint")
-    (model_dir / "config.json").write_text("{not json")
+    # A checkpoint the checks at start accept (they read no weight) whose weights are garbage.
+    (model_dir / "model.safetensors").write_bytes(b"not safetensors")
     container = Container(tmp_path, model_dir)
     began = time.monotonic()
     try:
@@ -236,6 +239,7 @@ def test_a_killed_worker_restarts_torchserve_with_503s_meanwhile_and_the_bound_e
         ("empty", {}, "no model in"),
         ("two-mars", {}, "2 .mar files"),
         ("dangling-reference", {}, "references weights at"),
+        ("not-json", {}, "cannot be served: config.json is not a JSON object"),
         ("mar", {"LLAVA_SESION_TTL_S": "5"}, "unknown setting LLAVA_SESION_TTL_S"),
         ("mar", {"LLAVA_SESSION_TTL_S": "abc"}, "bad setting LLAVA_SESSION_TTL_S"),
         ("mar", {"SES_TTL_MIN": "10", "LLAVA_SESSION_TTL_S": "300"}, "conflicts with LLAVA_"),
@@ -254,6 +258,8 @@ def test_bad_setup_fails_at_once_with_one_line(tmp_path, setup, env, message):
         shutil.copytree(DEMO_MODEL_DIR, tmp_path / "gone")
         build_mar(tmp_path / "gone", "reference", export_path=model_dir)
         shutil.rmtree(tmp_path / "gone")
+    elif setup == "not-json":
+        (lay_out(model_dir, "checkpoint") / "config.json").write_text("{not json")
     else:
         lay_out(model_dir, setup)
     container = Container(tmp_path, model_dir, **env)
@@ -264,3 +270,64 @@ def test_bad_setup_fails_at_once_with_one_line(tmp_path, setup, env, message):
             container.kill()
     lines = container.output().splitlines()
     assert len(lines) == 1 and lines[0].startswith("serve: ") and message in lines[0], lines
+
+
+def unsupported_layout(tmp_path: Path, kind: str, case: str) -> Path:
+    """/opt/ml/model holding a checkpoint the engine does not serve (UNSUPPORTED[case]): make mar
+    refuses to archive one, so a .mar is built from the supported fixture, then the checkpoint
+    (and, for weights inside, the archive's copy of its small files) is edited."""
+    fixture, edit, _ = UNSUPPORTED[case]
+    model_dir = tmp_path / "opt-ml-model"
+    if kind == "checkpoint":
+        edit(fixture_copy(model_dir, fixture))
+    elif kind == "mar-reference":
+        checkpoint = fixture_copy(model_dir / "weights", fixture)
+        build_mar(checkpoint, "reference", export_path=model_dir)
+        edit(checkpoint)
+    elif kind == "mar":
+        checkpoint = fixture_copy(tmp_path / "supported", fixture)
+        built = build_mar(checkpoint, export_path=tmp_path / "built")
+        edit(checkpoint)
+        model_dir.mkdir()
+        with zipfile.ZipFile(built) as old, zipfile.ZipFile(model_dir / "llava.mar", "w") as new:
+            for item in old.infolist():
+                edited = checkpoint / item.filename.removeprefix(f"{WEIGHTS_SUBDIR}/")
+                inside = item.filename.startswith(f"{WEIGHTS_SUBDIR}/") and edited.is_file()
+                new.writestr(item, edited.read_bytes() if inside else old.read(item))
+    return model_dir
+
+
+@pytest.mark.parametrize(
+    "kind, case",
+    [
+        ("checkpoint", "sliding window"),
+        ("mar", "qwen2 text model"),
+        ("mar", "template not append-only"),
+        ("mar-reference", "paligemma"),
+    ],
+)
+def test_an_unsupported_checkpoint_stops_the_start_in_one_line_before_torchserve(
+    tmp_path, kind, case
+):
+    model_dir = unsupported_layout(tmp_path, kind, case)
+    began = time.monotonic()
+    container = Container(tmp_path, model_dir)
+    try:
+        status = container.process.wait(60)
+    finally:
+        if container.process.poll() is None:
+            container.kill()
+    took = time.monotonic() - began
+    lines = container.output().splitlines()
+    print(f"{kind}, {case}: exit {status} after {took:.1f} s: {lines}")
+    assert status == 2 and len(lines) == 1, lines
+    where = {
+        "checkpoint": f"{model_dir}",
+        "mar": f"llava.mar: {tmp_path / 'work' / 'mar-checkpoint' / WEIGHTS_SUBDIR}",
+        "mar-reference": f"llava.mar: {model_dir / 'weights'}",
+    }[kind]
+    assert lines[0].startswith(f"serve: {where} cannot be served: ")
+    assert UNSUPPORTED[case][2] in lines[0]
+    assert not (tmp_path / "work" / "ts").exists()  # TorchServe never started
+    assert not list(tmp_path.glob("work/**/*.safetensors"))  # weights inside: not extracted
+    assert took < REFUSAL_S

@@ -3,6 +3,8 @@ archived is the one later builds (``make serve``'s) archive again."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.mar import main
+from serving.mar import NotACheckpoint, build_mar, check_model_dir, main
+from tests.conftest import DEMO_MODEL_DIR
 from tests.unit.test_makefile import dry_run
 
 
@@ -26,10 +29,7 @@ def archived_model_dir(mar: Path) -> str:
 
 
 def checkpoint(path: Path) -> Path:
-    path.mkdir()
-    (path / "config.json").write_text("{}")
-    (path / "model.safetensors").touch()
-    return path
+    return shutil.copytree(DEMO_MODEL_DIR, path)  # one the engine serves: make mar checks it
 
 
 def bad_model_dir(tmp_path: Path, kind: str) -> Path:
@@ -96,3 +96,18 @@ def test_make_serve_archives_the_remembered_model_and_test_the_demo_model():
     assert archive_command("serve").split("serving.mar", 1)[1].split() == ["--remember"]
     assert archive_command("test").endswith("--model-dir models/demo-llava --weights inside")
     assert "--remember" not in archive_command("test")
+
+
+def test_only_the_engines_handler_gets_the_engines_checkpoint_checks(tmp_path):
+    """A directory with a config.json and weights is refused as a checkpoint the engine does not
+    serve; archived with another handler (a test's probe), it is not checked beyond that."""
+    model_dir = bad_model_dir(tmp_path, "no weights")
+    (model_dir / "model.safetensors").touch()
+    refusal = re.escape(f"{model_dir} cannot be served: model type None")
+    with pytest.raises(NotACheckpoint, match=refusal):
+        check_model_dir(model_dir)
+    check_model_dir(model_dir, engine=False)
+    probe = tmp_path / "probe.py"
+    probe.write_text("class Probe:\n    pass\n")
+    mar = build_mar(model_dir, "reference", handler=probe, export_path=tmp_path / "store")
+    assert archived_model_dir(mar) == str(model_dir)
