@@ -61,7 +61,7 @@ def test_the_whole_image_reaches_the_vision_tower_only_when_the_checkpoint_says_
         engine = Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 24))
         try:
             expected = image_processor(images=seen, return_tensors="pt").pixel_values
-            assert torch.equal(engine._pixels(wide), expected)
+            assert torch.equal(engine._pixels(wide)["pixel_values"], expected)
         finally:
             engine.stop()
 

@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from serving.mar import NotACheckpoint, build_mar, check_model_dir, main
 from tests.conftest import DEMO_MODEL_DIR
@@ -24,8 +25,8 @@ def make_mar(*args: str) -> subprocess.CompletedProcess:
 
 def archived_model_dir(mar: Path) -> str:
     with zipfile.ZipFile(mar) as archive:
-        config = archive.read("model-config.yaml").decode()
-    return next(line.split(": ", 1)[1] for line in config.splitlines() if "model_dir:" in line)
+        config = yaml.safe_load(archive.read("model-config.yaml"))
+    return config["handler"]["model_dir"]  # parsed: YAML folds a long path across lines
 
 
 def checkpoint(path: Path) -> Path:
