@@ -73,7 +73,7 @@ image:
 demo: demo-mar
 	$(PY) -m scripts.demo
 
-# Per-turn latency by cache mode (realistic-shape model), TorchServe's overhead per turn,
+# Per-turn latency by cache mode (realistic-shape models), TorchServe's overhead per turn,
 # the handler's per-request cost against the number of idle sessions held, the local
 # endpoint's hop, what the container's /ping front adds per turn, many sessions at once
 # (batched turns against one request at a time), then session memory across tiers (restore
@@ -83,6 +83,7 @@ demo: demo-mar
 # one image against 32 images, turn time with sharing on and off).
 bench: demo-mar
 	$(PY) -m scripts.bench_turns
+	$(PY) -m scripts.bench_turns --config realistic-next
 	$(PY) -m scripts.bench_handler
 	$(PY) -m scripts.bench_sessions
 	$(PY) -m scripts.bench_endpoint

@@ -1,7 +1,7 @@
 """Build the offline demo LLaVA (trained) or a realistic-shape LLaVA (untrained) directory.
 
-    python -m demo_model.build [--out models/demo-llava] [--config demo|realistic]
-                                       [--seed 0]
+    python -m demo_model.build [--out models/demo-llava]
+                               [--config demo|realistic|realistic-next] [--seed 0]
 
 Everything is made here, nothing is downloaded: a word-level tokenizer (``tokenizers``), a CLIP
 image processor, a ``LlavaProcessor`` with the llava-1.5 chat template, and a
@@ -17,6 +17,13 @@ know" to anything else, on token sequences built exactly as the engine builds th
 ``config.json`` asks for pad-to-square (``"image_aspect_ratio": "pad"``, ``llava.model.imageprep``).
 ``realistic`` writes an untrained model with LLaVA-1.5's image geometry (336 px, patch 14,
 576 image tokens) and an LM big enough that prefill dominates on CPU, for benchmarks.
+``realistic-next`` is its LLaVA-NeXT counterpart, untrained too: a
+``LlavaNextForConditionalGeneration`` with the real checkpoint's image geometry (336 px tiles,
+patch 14, llava-v1.6-mistral-7b-hf's ``image_grid_pinpoints``, image_newline: a square image
+gives 2,928 image tokens) and a Mistral LM with GQA (12 query heads, 4 KV heads) as wide as
+``realistic``'s, with that checkpoint's ``LlavaNextProcessor`` as the fixture
+``tests/fixtures/llava-v1.6-mistral-7b-hf`` holds it (image processor, ``[INST]`` template and
+stand-in LLaMA tokenizer: read its README, copied into the model directory).
 
 Image processor: transformers' ``CLIPImageProcessor``. Without torchvision (our CPU setup)
 transformers loads it as the PIL backend ``CLIPImageProcessorPil``; training, tests and serving
@@ -47,7 +54,11 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextProcessor,
     LlavaProcessor,
+    MistralConfig,
     PreTrainedTokenizerFast,
 )
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -78,10 +89,13 @@ from demo_model.synthetic import (
 )
 from llava.model.imageprep import PAD, pad_to_square, prepare_image
 from llava.model.loading import load_model
+from llava.model.vision import most_image_tokens
 
 SPECIAL_TOKENS = ("<unk>", "<pad>", "<s>", "</s>", "<image>")
 UNK_ID, PAD_ID, BOS_ID, EOS_ID, IMAGE_ID = range(len(SPECIAL_TOKENS))
 THREADS = 2  # fixed: CPU reductions may split differently with another thread count
+# llava-v1.6-mistral-7b-hf's small files (config, processor, template, stand-in tokenizer).
+NEXT_FIXTURE = Path(__file__).resolve().parent.parent / "tests/fixtures/llava-v1.6-mistral-7b-hf"
 
 # The llava-hf llava-1.5 template, written out: roles upper-cased with ': ', images as
 # '<image>\n' before the text, user and assistant text followed by ' ', 'ASSISTANT:' to answer.
@@ -122,6 +136,8 @@ class Shape:
     chat_batch: int = 16  # dialogues per chat step (each up to 6 turns)
     vision_lr: float = 3e-3
     chat_lr: float = 2e-3
+    text_kv_heads: int = 0  # GQA: fewer KV heads than query heads (0: as many)
+    model_type: str = "llava"  # "llava_next": NEXT_FIXTURE's processor and geometry, Mistral LM
 
 
 CONFIGS = {
@@ -156,6 +172,21 @@ CONFIGS = {
         text_intermediate=2048,
         max_positions=2048,
         filler_words=4000,
+    ),
+    # realistic's widths; a square image's 2,928 image tokens + 10 turns fit in 4,096 positions.
+    "realistic-next": Shape(
+        image_size=336,
+        patch_size=14,
+        vision_hidden=64,
+        vision_layers=1,
+        vision_heads=2,
+        text_hidden=768,
+        text_layers=6,
+        text_heads=12,
+        text_kv_heads=4,
+        text_intermediate=2048,
+        max_positions=4096,
+        model_type="llava_next",
     ),
 }
 
@@ -219,7 +250,9 @@ def build_tokenizer(filler_words: int, max_positions: int) -> PreTrainedTokenize
     return fast
 
 
-def build_processor(shape: Shape) -> LlavaProcessor:
+def build_processor(shape: Shape) -> LlavaProcessor | LlavaNextProcessor:
+    if shape.model_type == "llava_next":
+        return LlavaNextProcessor.from_pretrained(NEXT_FIXTURE)
     tokenizer = build_tokenizer(shape.filler_words, shape.max_positions)
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": shape.image_size},
@@ -236,8 +269,8 @@ def build_processor(shape: Shape) -> LlavaProcessor:
 
 
 # -- model -------------------------------------------------------------------------------------
-def build_config(shape: Shape, vocab_size: int) -> LlavaConfig:
-    vision = CLIPVisionConfig(
+def vision_config(shape: Shape) -> CLIPVisionConfig:
+    return CLIPVisionConfig(
         hidden_size=shape.vision_hidden,
         intermediate_size=4 * shape.vision_hidden,
         num_hidden_layers=shape.vision_layers,
@@ -246,21 +279,31 @@ def build_config(shape: Shape, vocab_size: int) -> LlavaConfig:
         patch_size=shape.patch_size,
         projection_dim=shape.vision_hidden,
     )
+
+
+def text_sizes(shape: Shape) -> dict:
+    """The text model's sizes, whichever its class."""
+    return {
+        "hidden_size": shape.text_hidden,
+        "intermediate_size": shape.text_intermediate,
+        "num_hidden_layers": shape.text_layers,
+        "num_attention_heads": shape.text_heads,
+        "num_key_value_heads": shape.text_kv_heads or shape.text_heads,
+        "max_position_embeddings": shape.max_positions,
+        "tie_word_embeddings": False,
+    }
+
+
+def build_config(shape: Shape, vocab_size: int) -> LlavaConfig:
     text = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=shape.text_hidden,
-        intermediate_size=shape.text_intermediate,
-        num_hidden_layers=shape.text_layers,
-        num_attention_heads=shape.text_heads,
-        num_key_value_heads=shape.text_heads,
-        max_position_embeddings=shape.max_positions,
+        **text_sizes(shape),
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        tie_word_embeddings=False,
     )
     return LlavaConfig(
-        vision_config=vision,
+        vision_config=vision_config(shape),
         text_config=text,
         image_token_index=IMAGE_ID,
         image_seq_length=(shape.image_size // shape.patch_size) ** 2,
@@ -275,18 +318,53 @@ def build_config(shape: Shape, vocab_size: int) -> LlavaConfig:
     )
 
 
-def build_model(
-    shape: Shape, processor: LlavaProcessor, seed: int
-) -> LlavaForConditionalGeneration:
-    config = build_config(shape, len(processor.tokenizer))
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).float()  # sdpa attention, transformers' default
-    generation = model.generation_config
-    generation.bos_token_id, generation.eos_token_id, generation.pad_token_id = (
-        BOS_ID,
-        EOS_ID,
-        PAD_ID,
+def build_next_config(shape: Shape) -> LlavaNextConfig:
+    """NEXT_FIXTURE's config.json at ``shape``'s sizes: its pinpoints, ids, vocabulary, rope."""
+    real = LlavaNextConfig.from_pretrained(NEXT_FIXTURE)
+    assert (real.vision_config.image_size, real.vision_config.patch_size) == (
+        shape.image_size,
+        shape.patch_size,
     )
+    tokens = real.text_config
+    text = MistralConfig(
+        vocab_size=tokens.vocab_size,
+        **text_sizes(shape),
+        rms_norm_eps=tokens.rms_norm_eps,
+        rope_parameters=tokens.rope_parameters,
+        sliding_window=None,
+        bos_token_id=tokens.bos_token_id,
+        eos_token_id=tokens.eos_token_id,
+    )
+    return LlavaNextConfig(
+        vision_config=vision_config(shape),
+        text_config=text,
+        image_token_index=real.image_token_index,
+        image_grid_pinpoints=real.image_grid_pinpoints,
+        vision_feature_select_strategy=real.vision_feature_select_strategy,  # "default"
+        vision_feature_layer=-1,  # as realistic: a one-layer tower's last layer
+        projector_hidden_act=real.projector_hidden_act,
+        use_image_newline_parameter=True,
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(
+    shape: Shape, processor: LlavaProcessor | LlavaNextProcessor, seed: int
+) -> LlavaForConditionalGeneration | LlavaNextForConditionalGeneration:
+    if shape.model_type == "llava_next":
+        config, model_class = build_next_config(shape), LlavaNextForConditionalGeneration
+        tokenizer = processor.tokenizer
+        ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    else:
+        config, model_class = (
+            build_config(shape, len(processor.tokenizer)),
+            LlavaForConditionalGeneration,
+        )
+        ids = (BOS_ID, EOS_ID, PAD_ID)
+    torch.manual_seed(seed)
+    model = model_class(config).float()  # sdpa attention, transformers' default
+    generation = model.generation_config
+    generation.bos_token_id, generation.eos_token_id, generation.pad_token_id = ids
     generation.do_sample = False
     return model
 
@@ -677,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
     built.parent.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(built)
     processor.save_pretrained(built)
+    if shape.model_type == "llava_next":  # the stand-in tokenizer's licence note goes with it
+        shutil.copy(NEXT_FIXTURE / "README.md", built / "TOKENIZER-README.md")
     for path in built.iterdir():
         path.chmod(0o644)  # safetensors are written 0600; the model is read by other users
     replace_dir(built, args.out)
@@ -689,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"    vision tower  {count(inner.vision_tower):,}")
     print(f"    projector     {count(inner.multi_modal_projector):,}")
     print(f"    language      {count(inner.language_model) + count(model.lm_head):,}")
-    print(f"  image tokens    {(shape.image_size // shape.patch_size) ** 2}")
+    print(f"  image tokens    {most_image_tokens(processor):,} at most")
     print(f"  on disk         {dir_bytes(args.out) / 2**20:.2f} MiB")
     print(f"  build time      {build_s:.1f} s")
     print(f"  sha256          {digest}")

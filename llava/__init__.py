@@ -14,5 +14,6 @@
 Importable and testable without TorchServe (``handlers/`` adapts it to the wire). Imports run
 one way (tests/unit/test_tree_map.py): ``shards`` → ``engine`` → ``sched`` → ``sessions``,
 ``model`` → ``exec`` → ``kv``, ``sampling`` → ``config`` → ``intake`` → ``errors``,
-``counters`` (``model`` asks ``exec``'s runner which text models it computes exactly). What happens in one ask: docs/engine/life-of-a-turn.md.
+``counters`` (``model`` asks ``exec``'s runner which text models it computes exactly). What
+happens in one ask: docs/engine/life-of-a-turn.md.
 """

@@ -8,11 +8,13 @@ included) and ``tests/plain_shapes.py``, a drawer that shares no code with that 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 from PIL import Image
 
+from demo_model.build import CONFIGS, NEXT_FIXTURE, build_next_config, build_processor
 from demo_model.evaluation import (
     DONT_KNOW,
     KINDS,
@@ -34,7 +36,9 @@ from demo_model.synthetic import (
     held_out_samples,
     sample_from_seed,
 )
+from llava.model.checkpoint import inspect_checkpoint
 from llava.model.prompt import user_message
+from llava.model.vision import image_tokens
 from tests.conftest import DEMO_MODEL_DIR
 from tests.plain_shapes import plain_images
 
@@ -163,3 +167,25 @@ def test_samples_cover_every_shape_and_colour():
     samples = held_out_samples(300)
     assert {s.shape for s in samples} == set(SHAPES)
     assert {s.color for s in samples} == set(COLORS)
+
+
+def test_realistic_next_shape_is_a_servable_next_checkpoint(tmp_path):
+    """``--config realistic-next`` (scripts/bench_turns.py's NeXT shape): its small files pass
+    the engine's checkpoint checks, with NeXT's geometry, a GQA Mistral LM and the fixture's
+    template (the weights are not built here: the bench builds them)."""
+    shape = CONFIGS["realistic-next"]
+    processor = build_processor(shape)
+    build_next_config(shape).save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    inspected = inspect_checkpoint(tmp_path)
+    text = inspected.config.text_config
+    assert inspected.family == "llava_next"
+    assert (text.model_type, text.num_attention_heads, text.num_key_value_heads) == (
+        "mistral",
+        12,
+        4,
+    )
+    assert image_tokens(inspected.processor, 672, 672) == 2928
+    assert text.max_position_embeddings > 2928 + 10 * 40  # ten turns after the image
+    fixture = json.loads((NEXT_FIXTURE / "chat_template.json").read_text())["chat_template"]
+    assert inspected.processor.chat_template == fixture
