@@ -27,9 +27,10 @@ import requests
 
 from serving.mar import WEIGHTS_SUBDIR, build_mar
 from serving.torchserve import free_ports
+from tests.checkpoints import UNSUPPORTED, fixture_copy
 from tests.conftest import DEMO_MODEL_DIR, REPO
 from tests.container_helpers import FrontClient
-from tests.unit.test_checkpoint_refusal import REFUSAL_S, UNSUPPORTED, fixture_copy
+from tests.unit.test_checkpoint_refusal import REFUSAL_S
 
 pytestmark = pytest.mark.torchserve
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"

@@ -4,8 +4,6 @@ a checkpoint the engine refuses is refused in one line before anything is sized.
 
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 import sys
 import time
@@ -28,10 +26,9 @@ from llava.engine import Engine
 from llava.kv.memory import MemoryBudget, Tier, session_kv_bytes
 from llava.model.checkpoint import inspect_checkpoint
 from llava.model.vision import image_tokens
+from tests.checkpoints import LLAVA_15, LLAVA_NEXT, UNSUPPORTED, unsupported_checkpoint
 from tests.conftest import DEMO_MODEL_DIR, REPO
 
-LLAVA_15 = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
-LLAVA_NEXT = REPO / "tests" / "fixtures" / "llava-v1.6-mistral-7b-hf"
 NEXT_ROWS = ("ml.g5.2xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge")
 
 
@@ -151,63 +148,15 @@ def test_the_cli_sizes_llava_next_on_the_three_instances(capsys):
     assert hot == {"ml.g5.2xlarge": 17, "ml.g5.12xlarge": 4 * 17, "ml.p4d.24xlarge": 8 * 40}
 
 
-# Renders only the last user message: every turn would rewrite the prompt a session's KV holds.
-LAST_MESSAGE_ONLY = (
-    "{% set m = messages[-1] %}[INST] {% for c in m['content'] %}"
-    "{% if c['type'] == 'text' %}{{ c['text'] }}{% else %}<image>\n{% endif %}{% endfor %}"
-    " [/INST]"
-)
-
-
-def _config(change):
-    def edit(model_dir):
-        config = json.loads((model_dir / "config.json").read_text())
-        change(config)
-        (model_dir / "config.json").write_text(json.dumps(config))
-
-    return edit
-
-
-def _last_message_only(model_dir):
-    (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": LAST_MESSAGE_ONLY}))
-
-
-@pytest.mark.parametrize(
-    ("edit", "named"),
-    [
-        (
-            _config(lambda c: c["text_config"].update(model_type="qwen2")),
-            "text model type 'qwen2' (runs: ['llama', 'mistral'])",
-        ),
-        (
-            _config(lambda c: c["text_config"].update(sliding_window=1024)),
-            "sliding-window attention (sliding_window 1024)",
-        ),
-        (
-            _config(lambda c: c.update(model_type="paligemma")),
-            "model type 'paligemma' (serves: llava, llava_next)",
-        ),
-        (_last_message_only, "ValueError: chat template is not append-only in tokens"),
-    ],
-    ids=["qwen2", "sliding-window", "paligemma", "template"],
-)
-def test_a_checkpoint_the_engine_refuses_is_refused_in_one_line(tmp_path, edit, named):
+@pytest.mark.parametrize("case", list(UNSUPPORTED))
+def test_a_checkpoint_the_engine_refuses_is_refused_in_one_line(tmp_path, case):
     """The engine start's own refusal (llava.model.checkpoint), on stderr, exit 1, no table and
     no traceback, in seconds: nothing but the small files is read."""
-    model_dir = tmp_path / "checkpoint"
-    shutil.copytree(LLAVA_NEXT, model_dir)
-    edit(model_dir)
+    model_dir, named = unsupported_checkpoint(tmp_path / "checkpoint", case)
+    command = [sys.executable, "-m", "capacity", "--model-dir", str(model_dir)]
     began = time.monotonic()
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "capacity",
-            "--model-dir",
-            str(model_dir),
-            "--instance",
-            "ml.g5.2xlarge",
-        ],
+        [*command, "--instance", "ml.g5.2xlarge"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -217,7 +166,8 @@ def test_a_checkpoint_the_engine_refuses_is_refused_in_one_line(tmp_path, edit, 
     assert done.returncode == 1, done.stderr
     assert done.stdout == ""
     [line] = done.stderr.splitlines()
-    assert line.startswith(f"bad setting model_dir: {model_dir} cannot be served: {named}"), line
+    assert line.startswith(f"bad setting model_dir: {model_dir} cannot be served: "), line
+    assert named in line
     assert took < 30, took
 
 
