@@ -193,12 +193,12 @@ def attention(plan: Plan, figures: Figures) -> None:
 def random_7b(plan: Plan):
     """llava-1.5-7b's exact shape with random weights (shrunk on the CPU), loaded as the
     engine loads a checkpoint: its real tokenizer, processor and chat template."""
-    from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaConfig
 
-    from llava.model.imageprep import image_aspect_ratio
-    from llava.model.loading import LoadedModel, _eos_ids
-    from llava.model.prompt import ChatPrompt
+    from llava.model.checkpoint import inspect_checkpoint
+    from llava.model.loading import LoadedModel
 
+    checkpoint = inspect_checkpoint(FIXTURE)  # the engine's own checks, its processor and ids
     values = json.loads((FIXTURE / "config.json").read_text())
     if not plan.cuda:
         values["text_config"].update(SHRUNK_TEXT)
@@ -211,17 +211,16 @@ def random_7b(plan: Plan):
     torch.manual_seed(0)
     with plan.device:
         # transformers 5.17 builds the projector in float32 whatever the config says
-        model = LlavaForConditionalGeneration(config).to(plan.dtype).eval()
-    processor = AutoProcessor.from_pretrained(FIXTURE)
+        model = checkpoint.model_class(config).to(plan.dtype).eval()
     return LoadedModel(
         model=model,
-        processor=processor,
-        prompt=ChatPrompt(processor),
+        processor=checkpoint.processor,
+        prompt=checkpoint.prompt,
         device=plan.device,
         dtype=plan.dtype,
-        eos_token_ids=_eos_ids(model, processor.tokenizer),
+        eos_token_ids=checkpoint.eos_token_ids,
         max_positions=config.text_config.max_position_embeddings,
-        image_aspect_ratio=image_aspect_ratio(config),
+        image_aspect_ratio=checkpoint.image_aspect_ratio,
     )
 
 
