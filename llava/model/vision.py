@@ -42,7 +42,7 @@ def image_features(model, inputs: dict, dtype: torch.dtype) -> torch.Tensor:
 
 def image_tokens(processor, width: int, height: int) -> int:
     """How many image tokens the checkpoint's processor puts in the prompt for an image of
-    this size (after any pad-to-square, which makes it square)."""
+    this size as the processor receives it."""
     counted = processor._get_num_multimodal_tokens(image_sizes=[(height, width)])
     return counted.num_image_tokens[0]
 
