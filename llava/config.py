@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1024**3
-ATTENTION = ("auto", "flex", "sdpa")  # the values of ``attention`` (llava.exec.runner.Runner)
+# the values of ``attention`` (llava.exec.runner.Runner)
+ATTENTION = ("auto", "flex", "triton", "sdpa")
 ENV_PREFIX = "LLAVA_"
 ARCHIVED = "model-config.yaml handler."  # how an archived setting is named in messages
 logger = logging.getLogger(__name__)
@@ -55,8 +56,10 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" → float16 on cuda (bfloat16 where supported), float32 on cpu
     attn_implementation: str = "sdpa"
     # The step runner's decode attention (llava.exec.runner.Runner): "flex" (one paged
-    # flex_attention call per layer), "sdpa" (one SDPA per sequence), or "auto": flex on CUDA,
-    # sdpa on CPU, and sdpa for good if flex fails there (docs/engine/execution.md §Step runner).
+    # flex_attention call per layer), "triton" (the project's split-K paged kernel: CUDA, or CPU
+    # under TRITON_INTERPRET=1), "sdpa" (one SDPA per sequence), or "auto": on CUDA the faster
+    # of flex and triton timed at warm-up, sdpa on CPU, and sdpa for good if the paged call
+    # fails (docs/engine/execution.md §Step runner).
     attention: str = "auto"
     # capture decode graphs on CUDA (docs/engine/execution.md §Decode graphs)
     cuda_graphs: bool = True

@@ -146,9 +146,11 @@ class Engine:
         first caller does not pay for lazy initialization, then capture the decode graphs (CUDA,
         ``cuda_graphs``). Returns the seconds it took.
 
-        The decode step makes the first flex call: under ``attention: auto`` a flex that
-        fails switches the runner to sdpa here (logged, counted), and no graphs are captured;
-        under ``attention: flex`` it fails the start with one line (SettingsError)."""
+        The decode step makes the first paged call: under ``attention: auto`` one that fails
+        switches the runner to sdpa here (logged, counted), and no graphs are captured; under
+        a forced ``flex`` or ``triton`` it fails the start with one line (SettingsError).
+        Under ``auto`` on CUDA, flex and triton are then timed and the faster kept
+        (Runner.settle_attention)."""
         start = time.perf_counter()
         size = self.loaded.processor.image_processor.crop_size
         pixels = self._pixels(Image.new("RGB", (size["width"], size["height"])))
@@ -163,12 +165,14 @@ class Engine:
             if self.memory.reserve(holding, len(ids) + 1, features) is None:
                 self.runner.step([StepInput(holding.kv, ids, features)])
                 self.runner.step([StepInput(holding.kv, ids[:1], None)])  # not an image token
-        except PagedAttentionFailed as e:  # only a forced flex lets it out (auto falls back)
+        except PagedAttentionFailed as e:  # only a forced path lets it out (auto falls back)
             raise SettingsError(
-                "attention", f"flex on {self.loaded.device}: {e} (auto would use sdpa)"
+                "attention",
+                f"{self.runner.attention} on {self.loaded.device}: {e} (auto would use sdpa)",
             ) from e
         finally:
             self.memory.release(holding)
+        self.runner.settle_attention()  # auto on CUDA: flex or triton, by their times
         if self.config.cuda_graphs:
             self.runner.capture_graphs(self.loop.scheduler.max_batch)  # CUDA and flex only
 

@@ -17,6 +17,10 @@ DEMO_MODEL_DIR = REPO / "models" / "demo-llava"
 # directory or adopt each other's sessions; the tier's own tests pass a temporary directory
 # (docs/engine/sessions.md §Persistent tier).
 os.environ["LLAVA_PERSIST_DIR"] = "null"
+# Without a GPU, Triton kernels (llava.exec.triton_decode) run on CPU tensors through Triton's
+# interpreter, which Triton picks when a kernel is defined: set before any test imports one.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # make test-fast runs the unit tier on every core (pytest-xdist): one torch thread a worker,
 # so the workers do not fight over the cores (the tiny models gain nothing from more).
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -4,13 +4,16 @@ The tokens of every sequence in the batch (a prefill tail or one decoded id each
 into one [tokens, hidden] matrix with no padding, so each layer's projections and MLP run as
 one batched matmul. Attention is the ``attention`` setting (EngineConfig.attention): ``flex``,
 one paged flex_attention call per layer for every decode row over the pool as it lies
-(llava.exec.attention: a block mask from the block tables, no gather); ``sdpa``, one SDPA per
-sequence read in place; ``auto``, flex on CUDA and sdpa on CPU (measured faster there).
-Prefill chunks get one SDPA each. Under ``auto`` a flex call that raises (its compile, most
-likely; the engine's warm-up is the first to make one) switches the runner to sdpa for good,
-the step is run again, and the switch is logged once and counted; a forced ``flex`` lets the
-error out (PagedAttentionFailed). The step's index tensors are built once (llava.exec.step_meta)
-and the next ids are chosen on the device (llava.sampling.sampler). The layers' own modules do the
+(llava.exec.attention: a block mask from the block tables, no gather); ``triton``, the same rows
+through the project's split-K Triton kernel over the block tables (llava.exec.triton_decode);
+``sdpa``, one SDPA per sequence read in place; ``auto``, sdpa on CPU (measured faster there)
+and on CUDA whichever of flex and triton ``settle_attention`` timed faster at warm-up.
+Prefill chunks get one SDPA each, 4-D with a lower-right causal bias (SDPA's fused kernels).
+Under ``auto`` a paged call that raises (a compile, most likely; the engine's warm-up is the
+first to make one) switches the runner to sdpa for good, the step is run again, and the switch
+is logged once and counted; a forced ``flex`` or ``triton`` lets the error out
+(PagedAttentionFailed). The step's index tensors are built once (llava.exec.step_meta) and the
+next ids are chosen on the device (llava.sampling.sampler). The layers' own modules do the
 maths, so the weights, norms and rotary embedding are the checkpoint's
 (docs/engine/execution.md §Step runner).
 """
@@ -18,17 +21,20 @@ maths, so the weights, norms and rotary embedding are the checkpoint's
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from llava.config import ATTENTION
+from llava.config import ATTENTION, SettingsError
 from llava.counters import Counters
 from llava.exec import graphs as decode_graphs
-from llava.exec.attention import paged_attention
+from llava.exec import triton_decode
+from llava.exec.attention import PAGED, PagedRows, attend_paged, padded_rows, paged_rows
 from llava.exec.graphs import GRAPHS_BUDGET_FLOOR, DecodeGraphs, one_line
-from llava.exec.step_meta import StepBuffers, StepMeta, build_step_meta, row_meta
+from llava.exec.step_meta import StepBuffers, StepMeta, build_step_meta, row_slots
 from llava.kv.pool import KVPool, SessionKV, kv_geometry
 from llava.sampling.chooser import Chooser
 from llava.sampling.params import GenerationParams
@@ -38,13 +44,13 @@ logger = logging.getLogger(__name__)
 
 
 class PagedAttentionFailed(RuntimeError):
-    """The paged flex_attention call raised (its compile, most likely): ``auto`` attention
-    falls back to sdpa on it, a forced ``flex`` lets it out."""
+    """The paged attention call (flex or Triton) raised (a compile, most likely): ``auto``
+    attention falls back to sdpa on it, a forced ``flex`` or ``triton`` lets it out."""
 
 
 @dataclass(frozen=True)
 class RunnerCounters(Counters):
-    attention_fallbacks: int = 0  # flex raised under "auto": the runner switched to sdpa
+    attention_fallbacks: int = 0  # the paged path raised under "auto": switched to sdpa
     graph_capture_failures: int = 0  # decode graph buckets whose capture raised (run eagerly)
 
 
@@ -53,7 +59,7 @@ class Attending:
     """What ``_attention`` needs of a step's metadata (a decode-only step's, in ``decode``)."""
 
     decode_rows: torch.Tensor | None
-    mask: object
+    paged: PagedRows | None
     prefills: list
 
 
@@ -86,7 +92,7 @@ def _layer_problem(layer) -> str | None:
 
 class Runner:
     """``attention``: one of ATTENTION (see the module's docstring); ``self.attention`` is
-    the path in effect, "flex" or "sdpa"."""
+    the path in effect, "flex", "triton" or "sdpa"."""
 
     def __init__(
         self, model, pool: KVPool, sampler: Sampler | None = None, attention: str = "auto"
@@ -113,15 +119,19 @@ class Runner:
         self._buffers = StepBuffers(pool.kv.device)
         self._greedy = None  # the chooser of rows that bring none
         self.pool_slots = pool.kv.shape[3]
-        # "flex": one flex_attention call for every decode row; "sdpa": one SDPA per sequence
-        # over its slots in place. "auto" is the measured fastest: flex on CUDA (an H200: 0.98 ms a
-        # layer at 32 rows against the loop's 5.6), sdpa on CPU (docs/testing.md §GPU check).
+        self.max_tokens = text.max_position_embeddings  # the longest row: splits by bucket
+        # "flex" / "triton": one paged call a layer for every decode row; "sdpa": one SDPA per
+        # sequence over its slots in place. "auto": sdpa on CPU (measured faster there); on
+        # CUDA flex until ``settle_attention`` has timed flex against triton (an H200: flex
+        # 0.98 ms a layer at 32 rows against the SDPA loop's 5.6; docs/testing.md §GPU check).
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+        if attention == "triton" and triton_decode.unavailable(pool.kv.device):
+            raise SettingsError("attention", f"triton: {triton_decode.unavailable(pool.kv.device)}")
         self.attention_setting = attention
         if attention == "auto":
             attention = "flex" if pool.kv.device.type == "cuda" else "sdpa"
-        self.attention = attention  # the path in effect: "flex" or "sdpa"
+        self.attention = attention  # the path in effect: "flex", "triton" or "sdpa"
         self.graphs = None  # llava.exec.graphs.DecodeGraphs, when captured (CUDA)
         self._counters = RunnerCounters()
 
@@ -189,9 +199,10 @@ class Runner:
         shape), so ``torch.compile(fullgraph=True)`` and CUDA graphs take it whole: row i feeds
         ``ids[i]`` at ``positions[i]`` of the sequence with pool blocks ``tables[i]``; returns
         each row's next id, on the device."""
-        write_slots, mask = row_meta(tables, positions, self.pool.block_tokens, self.pool_slots)
+        write_slots = row_slots(tables, positions, self.pool.block_tokens)
+        attending = Attending(None, self._paged_rows(tables, positions), [])
         hidden = self.lm.embed_tokens(ids)
-        logits = self._forward(hidden, positions, write_slots, Attending(None, mask, []), None)
+        logits = self._forward(hidden, positions, write_slots, attending, None)
         return self.sampler.choose(logits, rows)
 
     def capture_graphs(self, max_batch: int) -> DecodeGraphs | None:
@@ -201,15 +212,60 @@ class Runner:
         (``graph_capture_failures``) and runs eagerly.
 
         Nothing either with sdpa attention: a graph replays ``decode``, whose attention is
-        always the paged flex call, so it would run the path that was set aside (by the
-        setting, or by a fallback because flex failed)."""
-        if self.attention != "flex" or not decode_graphs.capturable(self.pool.kv.device):
+        always the paged call, so it would run the path that was set aside (by the setting, or
+        by a fallback because the paged call failed)."""
+        if self.attention not in PAGED or not decode_graphs.capturable(self.pool.kv.device):
             return None
         graphs = DecodeGraphs(self)
         graphs.capture(max_batch, max(self.pool.allocated_bytes // 20, GRAPHS_BUDGET_FLOOR))
         self._counters = self._counters.plus(graph_capture_failures=len(graphs.failed))
         self.graphs = graphs
         return graphs
+
+    def settle_attention(self, rows: int = 32, tokens: int = 650) -> dict[str, float] | None:
+        """Under ``auto`` with a paged path in effect (CUDA), time one layer's paged call of
+        each path at ``rows`` rows of ``tokens`` tokens and keep the faster (a path that raises
+        is not kept). Returns the milliseconds of each, logged; None when nothing was timed
+        (another setting, sdpa in effect, or the Triton kernel unavailable)."""
+        device = self.pool.kv.device
+        if self.attention_setting != "auto" or self.attention not in PAGED:
+            return None
+        if triton_decode.unavailable(device):
+            return None
+        timings = {kind: self._time_paged(kind, rows, tokens) for kind in PAGED}
+        self.attention = min(timings, key=timings.get)
+        logger.info("attention auto: %s (ms a layer: %s)", self.attention, timings)
+        return timings
+
+    def _time_paged(self, kind: str, rows: int, tokens: int, repeats: int = 5) -> float:
+        """Milliseconds one paged call of ``kind`` takes over the pool's first blocks (read,
+        never written), inf if it raises."""
+        bt, device = self.pool.block_tokens, self.pool.kv.device
+        per_row = -(-tokens // bt)
+        rows = max(1, min(rows, self.pool.total_blocks // per_row))
+        tables = torch.zeros(rows, self.pool_slots // bt, dtype=torch.int32, device=device)
+        tables[:, :per_row] = torch.arange(per_row, dtype=torch.int32, device=device)
+        positions = torch.full((rows,), min(tokens, per_row * bt) - 1, device=device)
+        q = torch.randn(rows, self.heads, self.head_dim, dtype=self.pool.kv.dtype, device=device)
+        keys, values = self.pool.kv[0]
+        scaling = self.lm.layers[0].self_attn.scaling
+        previous, self.attention = self.attention, kind
+        try:
+            paged = self._paged_rows(tables, positions)
+            attend_paged(q, keys, values, paged, scaling)  # compiles
+            _synchronize(device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                attend_paged(q, keys, values, paged, scaling)
+            _synchronize(device)
+            return (time.perf_counter() - start) / repeats * 1e3
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:
+            logger.warning("attention auto: %s not timed: %s", kind, one_line(e))
+            return math.inf
+        finally:
+            self.attention = previous
 
     def counters(self) -> RunnerCounters:
         """A snapshot: how often the runner degraded (attention fallbacks, graphs not captured)."""
@@ -234,7 +290,7 @@ class Runner:
         return self._logits(batch, self._meta(batch))
 
     def _fall_back(self, error: PagedAttentionFailed) -> None:
-        # Graphs captured before (their flex compiled and ran) keep replaying; none are
+        # Graphs captured before (their paged call compiled and ran) keep replaying; none are
         # captured after (capture_graphs). At warm-up, the usual place, there are none yet.
         self.attention = "sdpa"
         self._counters = self._counters.plus(attention_fallbacks=1)
@@ -266,9 +322,16 @@ class Runner:
             [len(item.ids) for item in batch],
             [item.kv.blocks for item in batch],
             self.pool.block_tokens,
-            self.pool_slots,
-            per_sequence=self.attention == "sdpa",
+            self.pool_slots // self.pool.block_tokens,
+            self._paged_rows if self.attention in PAGED else None,
         )
+
+    def _paged_rows(self, tables: torch.Tensor, positions: torch.Tensor) -> PagedRows:
+        """The paged path's rows; splits by their bucket, so each bucket compiles once."""
+        bt = self.pool.block_tokens
+        rows = padded_rows(tables.shape[0])
+        splits = triton_decode.default_splits(rows, self.kv_heads, self.max_tokens, bt)
+        return paged_rows(self.attention, tables, positions, bt, self.pool_slots, splits)
 
     def _logits(self, batch: list[StepInput], meta: StepMeta) -> torch.Tensor:
         hidden = self._embed(batch, meta)
@@ -323,34 +386,40 @@ class Runner:
         gqa = self.heads != self.kv_heads
         rows = attending.decode_rows
         if rows is None and not attending.prefills:  # a decode-only step
-            out = _paged(q, keys, values, attending.mask, attn.scaling)
+            out = _paged(q, keys, values, attending.paged, attn.scaling)
         else:
             out = torch.empty_like(q)
-            if attending.mask is not None:
-                out[rows] = _paged(q[rows], keys, values, attending.mask, attn.scaling)
+            if attending.paged is not None:
+                out[rows] = _paged(q[rows], keys, values, attending.paged, attn.scaling)
             for prefill in attending.prefills:  # prefills are compute-bound: one SDPA each
                 start, stop = prefill.span
+                # 4-D, the causal bias or no mask: what SDPA's fused kernels take
                 out[start:stop] = F.scaled_dot_product_attention(
-                    q[start:stop].transpose(0, 1),
-                    _read(keys, prefill.slots),
-                    _read(values, prefill.slots),
+                    q[start:stop].transpose(0, 1)[None],
+                    _read(keys, prefill.slots)[None],
+                    _read(values, prefill.slots)[None],
                     attn_mask=prefill.causal,
                     scale=attn.scaling,
                     enable_gqa=gqa,
-                ).transpose(0, 1)
+                )[0].transpose(0, 1)
         out = out.reshape(tokens, -1)
         return attn.o_proj(out)
 
 
-def _paged(q, keys, values, mask, scale) -> torch.Tensor:
-    """``paged_attention``; whatever it raises but running out of memory (which the caller
-    handles as such) comes out as PagedAttentionFailed, so the runner knows flex failed."""
+def _paged(q, keys, values, rows: PagedRows, scale) -> torch.Tensor:
+    """``attend_paged``; whatever it raises but running out of memory (which the caller
+    handles as such) comes out as PagedAttentionFailed, so the runner knows the path failed."""
     try:
-        return paged_attention(q, keys, values, mask, scale)
+        return attend_paged(q, keys, values, rows, scale)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as e:
-        raise PagedAttentionFailed(f"paged flex_attention failed: {one_line(e)}") from e
+        raise PagedAttentionFailed(f"paged {rows.kind} attention failed: {one_line(e)}") from e
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _read(kv: torch.Tensor, slots) -> torch.Tensor:

@@ -11,24 +11,31 @@ per-sequence host work past the table copy and no host sync
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from llava.exec.attention import paged_block_mask
+from llava.exec.attention import PagedRows
+
+# Prepares the paged rows of a step from their tables (int32 [rows, pool blocks]) and positions
+# (the runner's choice of path and splits).
+PreparePaged = Callable[[torch.Tensor, torch.Tensor], PagedRows]
 
 
 @dataclass(frozen=True)
 class Prefill:
     """A sequence attended on its own (SDPA over its slots): a prefill chunk, or any sequence
-    with ``per_sequence`` attention."""
+    with no paged path (sdpa attention)."""
 
     span: tuple[int, int]  # its [start, stop) in the packed tokens
     # pool slots of its positions 0..length+new: a slice (read in place), a few slices (runs
     # of adjacent blocks, joined by one copy each), or their indices (gathered)
     slots: slice | tuple[slice, ...] | torch.Tensor
-    causal: torch.Tensor | None  # [new, length + new]: new token i sees the past and new 0..i
+    # new token i sees the past and new tokens 0..i: SDPA's fused kernels take this bias, where
+    # a boolean mask sends them to the math path (None: one new token, it sees everything)
+    causal: CausalBias | None
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ class StepMeta:
     write_slots: torch.Tensor  # [T] the pool slot its K/V goes to
     last: torch.Tensor  # [sequences] packed index of each sequence's last new token
     decode_rows: torch.Tensor | None  # packed index of each one-token sequence; None: all
-    mask: BlockMask | None  # the decode rows' block mask (None: no decode row)
+    paged: PagedRows | None  # the decode rows, read through the paged path (None: no such row)
     prefills: list[Prefill]
 
 
@@ -79,19 +86,19 @@ def build_step_meta(
     counts: list[int],
     tables: list[list[int]],
     block_tokens: int,
-    pool_slots: int,
-    per_sequence: bool = False,
+    pool_blocks: int,
+    paged: PreparePaged | None,
 ) -> StepMeta:
     """``lengths``: tokens each sequence already holds; ``counts``: its new ids (in ``ids``,
     packed in order); ``tables``: its pool blocks. One-token sequences share one paged
-    attention call (their block mask), others are attended one by one; with ``per_sequence``
+    attention call (``paged`` prepares it), others are attended one by one; with no ``paged``
     every sequence is (the CPU's faster path, docs/performance.md §Attention candidates (CPU))."""
     sequences, total = len(counts), len(ids)
     width = max(len(t) for t in tables)
     flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
     row_sequence = [s for s, n in enumerate(counts) for _ in range(n)]
     offsets = [i for n in counts for i in range(n)]
-    decoding = [] if per_sequence else [s for s, n in enumerate(counts) if n == 1]
+    decoding = [] if paged is None else [s for s, n in enumerate(counts) if n == 1]
     ends = list(itertools.accumulate(counts))
     lasts = [end - 1 for end in ends]
     uploaded = buffers.upload(ids + row_sequence + offsets + lengths + lasts + flat_tables)
@@ -103,28 +110,23 @@ def build_step_meta(
     table = uploaded[3 * total + 2 * sequences :].view(sequences, width)
     blocks = table.view(-1)[row_of * width + positions // block_tokens]
     write_slots = blocks * block_tokens + positions % block_tokens
-    decode_rows, mask = None, None
+    decode_rows, decode = None, None
     if decoding:  # the paged call reads tables as wide as the pool
-        pool_table = torch.zeros(
-            sequences, pool_slots // block_tokens, dtype=torch.int32, device=buffers.device
-        )
+        pool_table = torch.zeros(sequences, pool_blocks, dtype=torch.int32, device=buffers.device)
         pool_table[:, :width] = table
         picked = None if len(decoding) == sequences else torch.tensor(decoding)
         decode_tables = pool_table if picked is None else pool_table[picked.to(buffers.device)]
         decode_rows = None if picked is None else last[picked.to(buffers.device)]
         decode_positions = positions if picked is None else positions[decode_rows]
-        mask = paged_block_mask(decode_tables, decode_positions, block_tokens, pool_slots)
+        decode = paged(decode_tables, decode_positions)
     prefills = []
     for s, n in enumerate(counts):
-        if n > 1 or per_sequence:
+        if n > 1 or paged is None:
             span = (ends[s] - n, ends[s])
             slots = _slots(tables[s], table[s], lengths[s] + n, block_tokens)
-            causal = None
-            if n > 1:
-                causal = torch.ones(n, lengths[s] + n, dtype=torch.bool, device=buffers.device)
-                causal = causal.tril(lengths[s])
+            causal = causal_lower_right(n, lengths[s] + n) if n > 1 else None
             prefills.append(Prefill(span, slots, causal))
-    return StepMeta(packed_ids, positions, write_slots, last, decode_rows, mask, prefills)
+    return StepMeta(packed_ids, positions, write_slots, last, decode_rows, decode, prefills)
 
 
 MAX_RUNS = 4  # more runs of adjacent blocks than this are gathered by index instead
@@ -153,11 +155,8 @@ def _slots(table: list[int], row: torch.Tensor, stop: int, block_tokens: int):
     return row[seen // block_tokens] * block_tokens + seen % block_tokens
 
 
-def row_meta(
-    tables: torch.Tensor, positions: torch.Tensor, block_tokens: int, pool_slots: int
-) -> tuple[torch.Tensor, BlockMask]:
-    """Each row's pool slot for its new K/V, and the attention block mask, from its
-    sequence's pool blocks (``tables``, int32 ``[rows, pool blocks]``) and its position."""
+def row_slots(tables: torch.Tensor, positions: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """Each row's pool slot for its new K/V, from its sequence's pool blocks (``tables``, int32
+    ``[rows, pool blocks]``) and its position."""
     blocks = tables.gather(1, (positions // block_tokens)[:, None])[:, 0]
-    write_slots = blocks.long() * block_tokens + positions % block_tokens
-    return write_slots, paged_block_mask(tables, positions, block_tokens, pool_slots)
+    return blocks.long() * block_tokens + positions % block_tokens

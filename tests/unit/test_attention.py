@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from llava.exec.attention import QUERY_BLOCK, paged_attention
-from llava.exec.step_meta import row_meta
+from llava.exec.attention import QUERY_BLOCK, paged_attention, paged_block_mask
+from llava.exec.step_meta import row_slots
 
 BT = 4  # small blocks: many partial and full blocks in a short sequence
 POOL_BLOCKS = 64
@@ -39,8 +39,12 @@ def reference(q, keys, values, table, positions, scale):
     return out
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_rows_of_prefills_and_decodes_equal_sdpa_per_sequence(kv_heads):
+@pytest.mark.parametrize(
+    ("kv_heads", "layout"),
+    [(4, "partial"), (2, "partial"), (4, "full")],
+    ids=["mha", "gqa", "full"],
+)
+def test_rows_of_prefills_and_decodes_equal_sdpa_per_sequence(kv_heads, layout):
     rng = random.Random(kv_heads)
     torch.manual_seed(kv_heads)
     lengths = [1, 3, 4, 5, 17, 30, 41]  # one token, partial block, exact blocks, long
@@ -56,9 +60,10 @@ def test_rows_of_prefills_and_decodes_equal_sdpa_per_sequence(kv_heads):
     for row, blocks in enumerate(row_tables):
         padded[row, : len(blocks)] = torch.tensor(blocks)
     q = torch.randn(len(rows), 4, 8)
-    write_slots, mask = row_meta(padded, torch.tensor(positions), BT, POOL_BLOCKS * BT)
+    write_slots = row_slots(padded, torch.tensor(positions), BT)
+    mask = paged_block_mask(padded, torch.tensor(positions), BT, POOL_BLOCKS * BT, layout)
     with torch.inference_mode():
-        got = paged_attention(q, keys, values, mask, 0.3)
+        got = paged_attention(q, keys, values, mask, 0.3, split_kv=2)
         # the mask function alone is the whole rule: eager flex (every slot scored) agrees
         padded = torch.cat((q, q[:1].expand(mask.kv_num_blocks.shape[0] - len(rows), 4, 8)))
         eager = flex_attention(
@@ -73,6 +78,11 @@ def test_rows_of_prefills_and_decodes_equal_sdpa_per_sequence(kv_heads):
     # CUDA's flex kernels skip every config whose BLOCK_M (16 up to 128) does not divide the
     # query block: a block of 1 compiled on CPU and on no GPU. The CPU kernel cannot see it.
     assert mask.BLOCK_SIZE == (QUERY_BLOCK, BT) and QUERY_BLOCK % 128 == 0
+    if layout == "partial":  # every block a row reads is listed as partial: its own, no more
+        used = [p // BT + 1 for p in positions]
+        assert mask.full_kv_num_blocks is None or not mask.full_kv_num_blocks.any()
+        assert mask.kv_num_blocks.view(-1)[: len(rows)].tolist() == used
+        return
     # CUDA's decoding kernel reads the full lists with the partial lists' strides (an expanded
     # partial list made every row but the first read another row's blocks, seen on an H200).
     assert mask.kv_indices.stride() == mask.full_kv_indices.stride()
@@ -90,7 +100,7 @@ def test_a_row_never_reads_another_sequences_blocks():
         padded[row, : len(blocks)] = torch.tensor(blocks)
     positions = torch.tensor([8, 13])
     q = torch.randn(2, 2, 8)
-    _slots, mask = row_meta(padded, positions, BT, POOL_BLOCKS * BT)
+    mask = paged_block_mask(padded, positions, BT, POOL_BLOCKS * BT)
     with torch.inference_mode():
         before = paged_attention(q, keys, values, mask, 0.3)
         lengths = zip(tables, [9, 14], strict=True)

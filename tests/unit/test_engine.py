@@ -276,14 +276,23 @@ def test_forced_flex_answers_as_the_default(demo_model, image, default_answers):
     assert engine.stats().runner == RunnerCounters()
 
 
-def broken_flex(calls: list):
-    """A stand-in for llava.exec.attention.paged_attention whose compile fails, every time."""
+@pytest.mark.thorough  # every decode step through Triton's interpreter: ~20 s on a CPU
+def test_forced_triton_answers_as_the_default(demo_model, image, default_answers):
+    engine = Engine(demo_model, EngineConfig(model_dir="-", attention="triton"), SMALL_BUDGET)
+    engine.warm_up()
+    assert engine.runner.attention == "triton"
+    assert answers_of(engine, image) == default_answers
+    assert engine.stats().runner == RunnerCounters()
 
-    def paged_attention(*args):
+
+def broken_flex(calls: list):
+    """A stand-in for llava.exec.attention.attend_paged whose compile fails, every time."""
+
+    def attend_paged(*args):
         calls.append(len(args))
         raise RuntimeError("flex_attention failed to compile\n<the compiler's long log>")
 
-    return paged_attention
+    return attend_paged
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["at-warm-up", "at-a-turn"])
@@ -291,7 +300,7 @@ def test_a_failing_flex_under_auto_falls_back_to_sdpa_once(
     demo_model, image, default_answers, monkeypatch, caplog, warm
 ):
     calls: list = []
-    monkeypatch.setattr(llava.exec.runner, "paged_attention", broken_flex(calls))
+    monkeypatch.setattr(llava.exec.runner, "attend_paged", broken_flex(calls))
     monkeypatch.setattr(llava.exec.graphs, "capturable", lambda device: True)  # as on CUDA
     engine = Engine(demo_model, EngineConfig(model_dir="-"), SMALL_BUDGET)
     engine.runner.attention = "flex"  # what auto resolves to on CUDA
@@ -312,13 +321,13 @@ def test_a_failing_flex_under_auto_falls_back_to_sdpa_once(
 
 def test_a_failing_forced_flex_fails_the_warm_up_in_one_line(demo_model, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(llava.exec.runner, "paged_attention", broken_flex(calls))
+    monkeypatch.setattr(llava.exec.runner, "attend_paged", broken_flex(calls))
     engine = Engine(demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET)
     with pytest.raises(SettingsError) as failure:
         engine.warm_up()
     message = str(failure.value.from_source("LLAVA_ATTENTION"))  # as the handler names it
     assert message.startswith(
-        "bad setting LLAVA_ATTENTION: flex on cpu: paged flex_attention failed: "
+        "bad setting LLAVA_ATTENTION: flex on cpu: paged flex attention failed: "
         "RuntimeError: flex_attention failed to compile"
     )
     assert "\n" not in message and len(calls) == 1

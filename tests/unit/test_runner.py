@@ -19,8 +19,10 @@ from PIL import Image
 from transformers import AutoProcessor, DynamicCache, LlavaConfig, LlavaForConditionalGeneration
 
 import llava.exec.runner
+import llava.exec.triton_decode
 from demo_model.evaluation import QUESTIONS
 from demo_model.synthetic import held_out_samples
+from llava.config import SettingsError
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 from llava.exec.step_meta import _slots
 from llava.kv.pool import KVPool
@@ -315,9 +317,35 @@ def test_stepping_one_sequence_never_changes_anothers_kv(demo):
 def test_attention_takes_the_settings_values(demo):
     runner = Runner(demo.model, demo.pool())
     assert (runner.attention_setting, runner.attention) == ("auto", "sdpa")  # auto on CPU
+    assert runner.settle_attention() is None  # nothing to time: sdpa in effect
     assert Runner(demo.model, demo.pool(), attention="flex").attention == "flex"
-    with pytest.raises(ValueError, match="one of auto, flex, sdpa, got 'paged'"):
+    assert Runner(demo.model, demo.pool(), attention="triton").attention == "triton"
+    with pytest.raises(ValueError, match="one of auto, flex, triton, sdpa, got 'paged'"):
         Runner(demo.model, demo.pool(), attention="paged")
+
+
+def test_a_forced_triton_where_it_cannot_run_fails_in_one_line(demo, monkeypatch):
+    reason = "the triton attention runs on CUDA, or on CPU under TRITON_INTERPRET=1"
+    monkeypatch.setattr(llava.exec.triton_decode, "unavailable", lambda device: reason)
+    with pytest.raises(SettingsError) as failure:
+        Runner(demo.model, demo.pool(), attention="triton")
+    assert str(failure.value) == f"bad setting attention: triton: {reason}"
+
+
+def test_auto_on_a_paged_path_keeps_the_faster_of_flex_and_triton(demo, monkeypatch):
+    """What warm-up does under auto on CUDA, here with the paths' times stood in for (the real
+    timing runs too: each path is called on the pool)."""
+    runner = Runner(demo.model, demo.pool())
+    runner.attention = "flex"  # what auto starts from on CUDA
+    measured = runner.settle_attention(rows=2, tokens=40)
+    assert set(measured) == {"flex", "triton"} and runner.attention in measured
+    assert runner.attention == min(measured, key=measured.get)
+    times = {"flex": 3.0, "triton": 1.0}
+    monkeypatch.setattr(Runner, "_time_paged", lambda self, kind, rows, tokens: times[kind])
+    runner.attention = "flex"
+    assert runner.settle_attention() == times and runner.attention == "triton"
+    forced = Runner(demo.model, demo.pool(), attention="flex")
+    assert forced.settle_attention() is None and forced.attention == "flex"
 
 
 def test_a_failing_flex_step_changes_nothing_and_auto_runs_it_again_on_sdpa(demo, monkeypatch):
@@ -338,7 +366,7 @@ def test_a_failing_flex_step_changes_nothing_and_auto_runs_it_again_on_sdpa(demo
             runner.step([StepInput(kv, ids, features)])
         length = kv.length
         with monkeypatch.context() as patch:
-            patch.setattr(llava.exec.runner, "paged_attention", broken)
+            patch.setattr(llava.exec.runner, "attend_paged", broken)
             if attention == "flex":
                 with pytest.raises(PagedAttentionFailed, match="RuntimeError: no kernel for"):
                     runner.step([StepInput(kv, [7], None)])
