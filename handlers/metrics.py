@@ -41,6 +41,7 @@ _COUNTERS = {
     ("memory", "feature_hits"): "ImageFeatureHits",
     ("runner", "attention_fallbacks"): "AttentionFallbacks",
     ("runner", "graph_capture_failures"): "GraphCaptureFailures",
+    ("runner", "compile_fallbacks"): "CompileFallbacks",
 }
 
 # Latency bins: 10^(k/20) s for k in -60..39 (1 ms to 89 s), each within 6 % of what it holds.

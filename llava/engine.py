@@ -158,6 +158,7 @@ class Engine:
         return time.perf_counter() - start
 
     def _warm_up(self, pixels: torch.Tensor) -> None:
+        self.runner.warm_up_layers()  # CUDA: the layer pieces' compile, or its fallback, now
         features = self.encode_image(pixels)
         ids = self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0])
         holding = self.memory.hold()

@@ -50,8 +50,9 @@ COUNTERS = {
         "PrefixHits",  # opens and recomputes that started on blocks other sessions computed
         "PrefixCachedTokens",
         "ImageFeatureHits",  # opens on an image whose features were held: no vision tower
-        "AttentionFallbacks",  # the worker degraded: flex attention failed, sdpa serves
+        "AttentionFallbacks",  # the worker degraded: the paged attention failed, sdpa serves
         "GraphCaptureFailures",  # decode graph buckets left eager
+        "CompileFallbacks",  # the compiled layer pieces failed: they run eagerly
     )
 }
 HISTOGRAMS = {"TurnLatencySeconds": "Seconds", "TurnTimeToFirstTokenSeconds": "Seconds"}

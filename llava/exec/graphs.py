@@ -2,20 +2,26 @@
 width, so one captured CUDA graph per bucket replays a whole step (every layer, attention,
 sampling) with one launch.
 
-Each bucket owns its input buffers; a step copies its rows into them and replays. Padding
-rows decode id 0 at position 0 of a scratch block the pool sets aside for these graphs (so
-their K/V writes land nowhere that matters) and their ids are dropped. Graphs are captured at
-start-up from the smallest bucket up while the memory they take fits ``budget_bytes``; what
-each took (allocator-reserved bytes) and the capture time are recorded. A bucket whose capture
-raises (the compile in its warm-up included) is left uncaptured, logged once and counted: its
-steps run eagerly, the worker serves on; running out of memory ends the captures, as before
-(docs/engine/execution.md §Decode graphs).
+Each bucket owns its input buffers; a step stages its rows in one pinned upload and copies them
+into those buffers on the device, then replays. A row is one new id at one position of its
+sequence, so a short prefill with no image (a question's tokens) rides in the same graph as
+extra rows beside other sessions' decode rows: each of its rows sees its sequence's positions up
+to its own (their K/V are written before attention reads them), and only its last row's id is
+kept. Padding rows decode id 0 at position 0 of a scratch block the pool sets aside for these
+graphs (so their K/V writes land nowhere that matters) and their ids are dropped. Graphs are
+captured at start-up from the smallest bucket up while the memory they take fits
+``budget_bytes``; what each took (allocator-reserved bytes) and the capture time are recorded. A
+bucket whose capture raises (the compile in its warm-up included) is left uncaptured, logged
+once and counted: its steps run eagerly, the worker serves on; running out of memory ends the
+captures, as before (docs/engine/execution.md §Decode graphs).
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from llava.exec.attention import BUCKETS
+from llava.exec.step_meta import StepBuffers
 from llava.sampling.chooser import Chooser
 from llava.sampling.sampler import SamplingRows
 
@@ -47,6 +54,7 @@ class StaticDecode:
     positions: torch.Tensor
     tables: torch.Tensor
     rows: SamplingRows
+    staging: StepBuffers  # the pinned upload ``fill`` stages a step's rows in
     out: torch.Tensor | None = None
     graph: object = None  # torch.cuda.CUDAGraph once captured
 
@@ -63,29 +71,54 @@ class StaticDecode:
                 torch.ones(size, 3, device=device),
                 torch.zeros(size, 2, **long),
             ),
+            StepBuffers(device, capacity=8 * size),
         )
 
     def inputs(self) -> tuple:
         return self.ids, self.positions, self.tables, self.rows
 
     def fill(self, batch, choosers: Sequence[Chooser], scratch_block: int, sampler) -> None:
-        """Copy a decode batch's rows in; the rows past it decode into the scratch block."""
-        size, n = self.ids.shape[0], len(batch)
-        pad = size - n
-        self.ids.copy_(torch.tensor([item.ids[0] for item in batch] + [0] * pad))
-        self.positions.copy_(torch.tensor([item.kv.length for item in batch] + [0] * pad))
-        # Only a row's first (position // block_tokens + 1) entries are read: write those.
+        """Copy a batch's rows in, one row per new id (``rows_of``); the rows past them decode
+        into the scratch block. One upload of everything the host knows, then device copies."""
+        size = self.ids.shape[0]
+        rows = rows_of(batch, choosers)
+        n, pad = len(rows), size - len(rows)
+        # Only a row's first (position // block_tokens + 1) entries are read: stage those.
         width = max(len(item.kv.blocks) for item in batch)
-        tables = [item.kv.blocks + [0] * (width - len(item.kv.blocks)) for item in batch]
-        self.tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        flags, values, counters = sampler.row_values([c for *_, c in rows] + [choosers[0]] * pad)
+        staged = self.staging.upload(
+            [token for token, *_ in rows] + [0] * pad
+            + [position for _, position, *_ in rows] + [0] * pad
+            + [flag for pair in flags for flag in pair]
+            + [value for pair in counters for value in pair]
+            + [_float_bits(value) for triple in values for value in triple]
+            + [b for _, _, blocks, _ in rows for b in blocks + [0] * (width - len(blocks))]
+        )  # fmt: skip
+        cuts = itertools.accumulate((size, size, 2 * size, 2 * size, 3 * size))
+        ids, positions, flags_t, counters_t, bits, tables = staged.tensor_split(list(cuts))
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.rows.hold_eos.copy_(flags_t[0::2] != 0)
+        self.rows.greedy.copy_(flags_t[1::2] != 0)
+        self.rows.counters.copy_(counters_t.view(size, 2))
+        self.rows.values.copy_(bits.to(torch.int32).view(torch.float32).view(size, 3))
+        self.tables[:n, :width].copy_(tables.view(n, width))
         self.tables[n:, 0] = scratch_block
-        rows = sampler.rows(list(choosers) + [choosers[0]] * pad)
-        for mine, theirs in zip(
-            (self.rows.hold_eos, self.rows.greedy, self.rows.values, self.rows.counters),
-            (rows.hold_eos, rows.greedy, rows.values, rows.counters),
-            strict=True,
-        ):
-            mine.copy_(theirs)
+
+
+def rows_of(batch, choosers: Sequence[Chooser]) -> list[tuple[int, int, list[int], Chooser]]:
+    """Each new id of the batch as a row: (id, its position, its sequence's blocks, the
+    sequence's chooser)."""
+    return [
+        (token, item.kv.length + offset, item.kv.blocks, chooser)
+        for item, chooser in zip(batch, choosers, strict=True)
+        for offset, token in enumerate(item.ids)
+    ]
+
+
+def _float_bits(value: float) -> int:
+    """A float32's bits as an int (the staging buffer is int64; the device views them back)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 class DecodeGraphs:
@@ -136,17 +169,19 @@ class DecodeGraphs:
         return sorted(self.steps)
 
     def run(self, batch, choosers: Sequence[Chooser]) -> list[int] | None:
-        """The next ids of a decode-only batch from its bucket's graph; None if the batch
-        has a prefill or no bucket was captured for its size."""
-        if any(len(item.ids) != 1 for item in batch):
+        """The next id of each sequence of the batch from the graph of the bucket that holds
+        its rows (one a new id: decodes, and prefills with no image); None if a sequence
+        brings image features or no captured bucket holds the rows."""
+        if any(item.image_features is not None for item in batch):
             return None
-        size = bucket_for(len(batch), self.steps)
+        size = bucket_for(sum(len(item.ids) for item in batch), self.steps)
         if size is None:
             return None
         step = self.steps[size]
         step.fill(batch, choosers, self.scratch_block, self.runner.sampler)
         step.graph.replay()
-        return step.out[: len(batch)].tolist()
+        ids = step.out.tolist()
+        return [ids[end - 1] for end in itertools.accumulate(len(item.ids) for item in batch)]
 
 
 def one_line(error: BaseException) -> str:

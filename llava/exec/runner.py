@@ -34,6 +34,7 @@ from llava.exec import graphs as decode_graphs
 from llava.exec import triton_decode
 from llava.exec.attention import PAGED, PagedRows, attend_paged, padded_rows, paged_rows
 from llava.exec.graphs import GRAPHS_BUDGET_FLOOR, DecodeGraphs, one_line
+from llava.exec.layers import LayerPieces, merge_problem, merge_projections
 from llava.exec.step_meta import StepBuffers, StepMeta, build_step_meta, row_slots
 from llava.kv.pool import KVPool, SessionKV, kv_geometry
 from llava.sampling.chooser import Chooser
@@ -52,6 +53,7 @@ class PagedAttentionFailed(RuntimeError):
 class RunnerCounters(Counters):
     attention_fallbacks: int = 0  # the paged path raised under "auto": switched to sdpa
     graph_capture_failures: int = 0  # decode graph buckets whose capture raised (run eagerly)
+    compile_fallbacks: int = 0  # the compiled layer pieces raised: they run eagerly
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,11 @@ class Runner:
         self.model = model
         self.pool = pool
         self.lm = model.model.language_model
+        # QKV and gate/up merged in place (views, no extra memory), and each layer's pieces
+        # around attention compiled once for all layers on CUDA, where they save launches (on
+        # CPU eager pieces were faster: llava.exec.layers.LayerPieces)
+        self.layer_weights = merge_projections(model)
+        self.pieces = LayerPieces(compile=pool.kv.device.type == "cuda")
         self.image_token_id = model.config.image_token_id
         self.heads = text.num_attention_heads
         self.kv_heads = kv_heads
@@ -162,7 +169,7 @@ class Runner:
             problem = _layer_problem(layer)
             if problem:
                 return problem
-        return None
+        return merge_problem(model)
 
     @torch.inference_mode()
     def step(self, batch: list[StepInput]) -> torch.Tensor:
@@ -267,9 +274,16 @@ class Runner:
         finally:
             self.attention = previous
 
+    def warm_up_layers(self) -> None:
+        """Compile the layer pieces now (CUDA), so the compile, or its failure (logged once,
+        counted), comes at start and not in a request."""
+        if self.pieces.compiled:
+            self.pieces.warm_up(self.layer_weights[0])
+
     def counters(self) -> RunnerCounters:
-        """A snapshot: how often the runner degraded (attention fallbacks, graphs not captured)."""
-        return self._counters
+        """A snapshot: how often the runner degraded (attention fallbacks, graphs not captured,
+        layer pieces run eagerly)."""
+        return self._counters.plus(compile_fallbacks=self.pieces.compile_fallbacks)
 
     def _greedy_chooser(self) -> Chooser:
         if self._greedy is None:
@@ -341,14 +355,16 @@ class Runner:
         """The layers over packed tokens; float32 logits at the ``last`` rows (all if None).
         ``attending``: which rows are decode rows (their block mask) and which prefills."""
         cos, sin = self.lm.rotary_emb(hidden, positions[None])
-        rotary = (cos[0, :, None, :], sin[0, :, None, :])  # [T, 1, head_dim]: broadcast on heads
-        for index, layer in enumerate(self.lm.layers):
-            x = layer.input_layernorm(hidden)
-            hidden = hidden + self._attention(index, layer, x, rotary, write_slots, attending)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]: broadcast on heads
+        delta = None  # a layer's MLP output: the next layer's first piece adds it
+        layers = zip(self.lm.layers, self.layer_weights, strict=True)
+        for index, (layer, weights) in enumerate(layers):
+            q, k, v, hidden = self.pieces.pre(hidden, delta, weights, cos, sin)
+            out = self._attention(index, layer.self_attn.scaling, q, k, v, write_slots, attending)
+            hidden, delta = self.pieces.post(out.reshape(q.shape[0], -1), hidden, weights)
         if last is not None:
-            hidden = hidden[last]
-        return self.model.lm_head(self.lm.norm(hidden)).float()
+            hidden, delta = hidden[last], delta[last]
+        return self.model.lm_head(self.lm.norm(hidden + delta)).float()
 
     def _embed(self, batch: list[StepInput], meta: StepMeta) -> torch.Tensor:
         """Token embeddings, image features in the image-token positions (found on the host:
@@ -373,24 +389,19 @@ class Runner:
             hidden[torch.tensor(where, device=hidden.device)] = rows
         return hidden
 
-    def _attention(self, index: int, layer, x: torch.Tensor, rotary, write_slots, attending):
-        attn = layer.self_attn
-        tokens = x.shape[0]
-        q = attn.q_proj(x).view(tokens, self.heads, self.head_dim)
-        k = attn.k_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        q, k = _rotate(q, rotary), _rotate(k, rotary)
+    def _attention(self, index: int, scale: float, q, k, v, write_slots, attending):
+        """Layer ``index``'s K/V written to the pool, then attention: [T, heads, head_dim]."""
         keys, values = self.pool.kv[index]  # [kv_heads, slots, head_dim] each
         keys.index_copy_(1, write_slots, k.transpose(0, 1))
         values.index_copy_(1, write_slots, v.transpose(0, 1))
         gqa = self.heads != self.kv_heads
         rows = attending.decode_rows
         if rows is None and not attending.prefills:  # a decode-only step
-            out = _paged(q, keys, values, attending.paged, attn.scaling)
+            out = _paged(q, keys, values, attending.paged, scale)
         else:
             out = torch.empty_like(q)
             if attending.paged is not None:
-                out[rows] = _paged(q[rows], keys, values, attending.paged, attn.scaling)
+                out[rows] = _paged(q[rows], keys, values, attending.paged, scale)
             for prefill in attending.prefills:  # prefills are compute-bound: one SDPA each
                 start, stop = prefill.span
                 # 4-D, the causal bias or no mask: what SDPA's fused kernels take
@@ -399,11 +410,10 @@ class Runner:
                     _read(keys, prefill.slots)[None],
                     _read(values, prefill.slots)[None],
                     attn_mask=prefill.causal,
-                    scale=attn.scaling,
+                    scale=scale,
                     enable_gqa=gqa,
                 )[0].transpose(0, 1)
-        out = out.reshape(tokens, -1)
-        return attn.o_proj(out)
+        return out
 
 
 def _paged(q, keys, values, rows: PagedRows, scale) -> torch.Tensor:
@@ -427,11 +437,3 @@ def _read(kv: torch.Tensor, slots) -> torch.Tensor:
     if isinstance(slots, tuple):
         return torch.cat([kv[:, run] for run in slots], dim=1)
     return kv[:, slots]
-
-
-def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotary embedding of [T, heads, head_dim] (the rotate-half form LLaMA checkpoints use)."""
-    cos, sin = rotary
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

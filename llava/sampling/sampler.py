@@ -59,12 +59,18 @@ class Sampler:
         self.eos = torch.zeros(vocab, device=self.device)
         self.eos[torch.tensor(sorted(eos_ids), dtype=torch.long)] = float("-inf")
 
-    def rows(self, choosers: Sequence[Chooser]) -> SamplingRows:
+    def row_values(self, choosers: Sequence[Chooser]) -> tuple[list, list, list]:
+        """Each row's (hold_eos, greedy), (temperature, top_p, top_k) and (seed, ids so far),
+        as host lists: what ``rows`` uploads (a decode graph stages them with its inputs)."""
         flags = [(len(c.generated) < c.params.min_new_tokens, c.params.greedy) for c in choosers]
         values = [
-            [c.params.temperature, c.params.top_p, c.params.top_k or self.vocab] for c in choosers
+            (c.params.temperature, c.params.top_p, c.params.top_k or self.vocab) for c in choosers
         ]
-        counters = [[c.seed, len(c.generated)] for c in choosers]
+        counters = [(c.seed, len(c.generated)) for c in choosers]
+        return flags, values, counters
+
+    def rows(self, choosers: Sequence[Chooser]) -> SamplingRows:
+        flags, values, counters = self.row_values(choosers)
         flags_t = torch.tensor(flags, dtype=torch.bool).to(self.device, non_blocking=True)
         return SamplingRows(
             flags_t[:, 0],

@@ -208,3 +208,29 @@ def test_a_small_pool_still_gets_graphs_up_to_the_floor(decoding, cpu_captures, 
     graphs = runner.capture_graphs(64)
     assert sorted(graphs.steps) == [1, 2, 4, 8, 16]  # 5 x 100 MiB fit 512 MiB, a sixth not
     assert graphs.reserved_bytes == 500 << 20
+
+
+def test_a_short_prefill_rides_in_a_decode_graph_beside_decode_rows(
+    decoding, cpu_captures, monkeypatch
+):
+    """A question's ids (no image) as extra rows of a captured step, one row per id, beside
+    three sessions' decode rows: each sequence's next id is what the eager packed step gives
+    (flex for the decode rows, SDPA for the prefill)."""
+    runner, kvs, other = decoding
+    monkeypatch.setattr(llava.exec.graphs, "_capture", capture_failing_at(-1, RuntimeError()))
+    graphs = DecodeGraphs(runner, buckets=(8,))
+    assert graphs.capture(8, budget_bytes=1 << 30) == [8]
+    question = StepInput(other, [40, 41, 42, 43, 44], None, Chooser(GenerationParams(), EOS))
+    batch = [*decode_batch(kvs), question]  # 3 + 5 rows: bucket 8
+    lengths = [item.kv.length for item in batch]
+    replays = EagerGraph.replays
+    from_graph = graphs.run(batch, [item.chooser for item in batch])
+    assert EagerGraph.replays == replays + 1
+    assert [item.kv.length for item in batch] == lengths  # the runner moves lengths, not run
+    assert from_graph == runner.next_ids(batch)  # no graphs on this runner: eager
+    for item, length in zip(batch, lengths, strict=True):
+        item.kv.crop(length)
+    with_image = [StepInput(other, [40], torch.zeros(1, 8), question.chooser)]
+    assert graphs.run(with_image, [question.chooser]) is None  # an image's rows run eagerly
+    too_many = [StepInput(other, list(range(40, 49)), None, question.chooser)]
+    assert graphs.run(too_many, [question.chooser]) is None  # 9 rows: no bucket holds them
