@@ -43,6 +43,7 @@ import torch
 
 from llava.counters import Counters
 from llava.errors import NoCapacity
+from llava.kv.host_copies import HostCopies
 from llava.kv.pool import KVPool, SessionKV
 from llava.kv.prefix import feature_keys
 
@@ -127,7 +128,7 @@ class IntegrityError(AssertionError):
 
 @dataclass
 class HostKV:
-    data: torch.Tensor  # the written blocks, as KVPool.read_blocks returns them
+    data: torch.Tensor  # the written blocks, as HostCopies.to_host returns them
     length: int  # tokens written
     nbytes: int
 
@@ -169,48 +170,13 @@ class Holding:
         return len(self.feature_blocks) + (0 if self.kv is None else len(self.kv.blocks))
 
 
-class _HostCopies:
-    """Device ↔ host copies of whole blocks. On CUDA into pinned memory on a side stream (the
-    compute stream waits for it before the blocks are reused); on CPU a plain copy."""
-
-    def __init__(self, pool: KVPool):
-        self.pool = pool
-        device = pool.kv.device
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def to_host(self, blocks: list[int]) -> torch.Tensor:
-        if not self.cuda:
-            return self.pool.read_blocks(blocks)
-        shape, dtype = self.pool.blocks_shape(len(blocks)), self.pool.kv.dtype
-        out = torch.empty(shape, dtype=dtype, pin_memory=True)
-        with self._on_side_stream():
-            self.pool.read_blocks(blocks, out)
-        return out
-
-    def to_device(self, blocks: list[int], data: torch.Tensor) -> None:
-        with self._on_side_stream():
-            self.pool.write_blocks(blocks, data)
-
-    @contextmanager
-    def _on_side_stream(self) -> Iterator[None]:
-        if not self.cuda:
-            yield
-            return
-        compute = torch.cuda.current_stream(self.pool.kv.device)
-        self.stream.wait_stream(compute)  # the blocks hold what earlier steps wrote
-        with torch.cuda.stream(self.stream):
-            yield
-        compute.wait_stream(self.stream)  # later steps see (and may overwrite) after the copy
-
-
 class MemoryManager:
     def __init__(self, pool: KVPool, budget: MemoryBudget):
         if pool.total_blocks * pool.bytes_per_block > budget.device_bytes:
             raise ValueError("the pool is larger than the device budget")
         self.pool = pool
         self.budget = budget
-        self._copies = _HostCopies(pool)
+        self._copies = HostCopies(pool)
         self._lock = threading.RLock()
         self._holdings: set[Holding] = set()
         self._idle: OrderedDict[Holding, None] = OrderedDict()  # unpinned, least recent first
@@ -641,8 +607,8 @@ class MemoryManager:
             self._count(prefix_hits=1, prefix_tokens=kv.length)
         kv.reserve(total - kv.length)
         if host is not None:
-            written = host.data.shape[3]
-            self._copies.to_device(kv.blocks[shared:written], host.data[:, :, :, shared:])
+            written = host.data.shape[1]
+            self._copies.to_device(host.data, kv.blocks[shared:written], skip=shared)
             kv.length = host.length
             self._drop_host(holding)
             self._count(restored=1)
@@ -713,6 +679,7 @@ class MemoryManager:
     def _drop_host(self, holding: Holding) -> None:
         if holding.host is not None:
             self._host_bytes -= holding.host.nbytes
+            self._copies.release(holding.host.data)
             holding.host = None
 
     @contextmanager

@@ -152,16 +152,11 @@ class KVPool:
         layers, pair, kv_heads, _slots, head_dim = self.kv.shape
         return torch.Size((layers, pair, kv_heads, n, self.block_tokens, head_dim))
 
-    def read_blocks(self, blocks: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of ``blocks`` (every layer), into ``out`` if given (e.g. pinned host memory;
-        the copy is then asynchronous on CUDA). ``write_blocks`` puts it back, in any blocks."""
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """A copy of ``blocks`` (every layer). ``write_blocks`` puts it back, in any blocks."""
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
         with torch.inference_mode():
-            gathered = self._by_block().index_select(3, index)
-            if out is None:
-                return gathered
-            out.copy_(gathered, non_blocking=True)
-            return out
+            return self._by_block().index_select(3, index)
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
         """Copy ``data`` (shaped like ``read_blocks``' result) into ``blocks``."""
@@ -170,6 +165,27 @@ class KVPool:
         index = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
         with torch.inference_mode():
             self._by_block().index_copy_(3, index, data.to(self.kv.device, non_blocking=True))
+
+    def layer_blocks_shape(self, n: int) -> torch.Size:
+        """Shape of ``n`` blocks of one layer as ``read_layer_blocks`` writes them: block by
+        block, so any run of them is one contiguous piece of memory (the host tier's layout)."""
+        _layers, pair, kv_heads, _slots, head_dim = self.kv.shape
+        return torch.Size((n, pair, kv_heads, self.block_tokens, head_dim))
+
+    def read_layer_blocks(self, layer: int, index: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy blocks ``index`` (a long tensor on the pool's device) of one layer into ``out``
+        (on the pool's device, shaped by ``layer_blocks_shape``)."""
+        with torch.inference_mode():
+            torch.index_select(self._layer_by_block(layer), 0, index, out=out)
+
+    def write_layer_blocks(self, layer: int, index: torch.Tensor, data: torch.Tensor) -> None:
+        """Copy ``data`` (as ``read_layer_blocks`` writes it) into blocks ``index`` of one layer."""
+        with torch.inference_mode():
+            self._layer_by_block(layer).index_copy_(0, index, data)
+
+    def _layer_by_block(self, layer: int) -> torch.Tensor:
+        """One layer viewed as [blocks, 2 (K, V), kv_heads, block_tokens, head_dim] (a view)."""
+        return self._by_block()[layer].permute(2, 0, 1, 3, 4)
 
     def _by_block(self) -> torch.Tensor:
         """The pool tensor viewed with blocks as one dimension (a view: no copy)."""

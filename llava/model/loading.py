@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llava.config import SettingsError
+from llava.kv.allocator import use_expandable_segments
 from llava.model.checkpoint import inspect_checkpoint
 from llava.model.prompt import ChatPrompt
 
@@ -80,6 +81,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(
     model_dir: str, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
 ) -> LoadedModel:
+    use_expandable_segments()  # before anything starts CUDA's allocator (llava.kv.allocator)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if torch_device.type == "cuda":  # kernels and allocations without a device go there too
