@@ -13,6 +13,7 @@ from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.errors import InvalidRequest, SessionNotFound
+from llava.exec.attention import PAGED
 from llava.exec.runner import RunnerCounters
 from llava.kv.memory import MemoryBudget
 from llava.sessions.session import Tier
@@ -253,34 +254,31 @@ def default_answers(demo_model, image):
 
 
 @pytest.mark.parametrize(
-    ("settings", "attention"),
-    [({"attention": "sdpa"}, "sdpa"), ({"cuda_graphs": False}, "sdpa"), ({}, "sdpa")],
+    ("settings", "paged_on_cuda"),
+    [({"attention": "sdpa"}, False), ({"cuda_graphs": False}, True), ({}, True)],
     ids=["sdpa", "no-graphs", "auto"],
 )
 def test_attention_and_graph_settings_answer_as_the_default(
-    demo_model, image, default_answers, settings, attention
+    demo_model, image, default_answers, settings, paged_on_cuda
 ):
     engine = Engine(demo_model, EngineConfig(model_dir="-", **settings), SMALL_BUDGET)
     engine.warm_up()
-    assert engine.runner.attention == attention  # auto is sdpa on CPU
-    assert engine.runner.graphs is None
+    if demo_model.device.type == "cpu" or not paged_on_cuda:  # auto is sdpa on CPU
+        assert engine.runner.attention == "sdpa" and engine.runner.graphs is None
+    else:  # on CUDA auto keeps the faster paged path, and captures graphs if asked
+        assert engine.runner.attention in PAGED
+        assert (engine.runner.graphs is None) == (settings.get("cuda_graphs") is False)
     assert answers_of(engine, image) == default_answers
 
 
-@pytest.mark.thorough  # compiles flex attention for a whole engine: seconds on a CPU
-def test_forced_flex_answers_as_the_default(demo_model, image, default_answers):
-    engine = Engine(demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET)
+# Seconds on a CPU: flex compiles for a whole engine; triton runs every decode step through
+# Triton's interpreter (~20 s).
+@pytest.mark.thorough
+@pytest.mark.parametrize("attention", ["flex", "triton"])
+def test_a_forced_paged_path_answers_as_the_default(demo_model, image, default_answers, attention):
+    engine = Engine(demo_model, EngineConfig(model_dir="-", attention=attention), SMALL_BUDGET)
     engine.warm_up()
-    assert engine.runner.attention == "flex"
-    assert answers_of(engine, image) == default_answers
-    assert engine.stats().runner == RunnerCounters()
-
-
-@pytest.mark.thorough  # every decode step through Triton's interpreter: ~20 s on a CPU
-def test_forced_triton_answers_as_the_default(demo_model, image, default_answers):
-    engine = Engine(demo_model, EngineConfig(model_dir="-", attention="triton"), SMALL_BUDGET)
-    engine.warm_up()
-    assert engine.runner.attention == "triton"
+    assert engine.runner.attention == attention
     assert answers_of(engine, image) == default_answers
     assert engine.stats().runner == RunnerCounters()
 
