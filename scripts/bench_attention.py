@@ -34,8 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from llava.exec.attention import paged_attention
-from llava.exec.step_meta import row_meta
+from llava.exec.attention import paged_attention, paged_block_mask
 
 FLEX, LOOP = "flex paged (kept)", "SDPA loop (before)"
 DENSE = "dense SDPA (reference)"  # a floor: no paged pool gives this layout without a copy
@@ -104,7 +103,7 @@ def candidates(args, device, dtype) -> dict[str, Callable[[], torch.Tensor]]:
         return out
 
     def flex():
-        _slots, mask = row_meta(tables, positions, bt, slots)
+        mask = paged_block_mask(tables, positions, bt, slots)
         return paged_attention(q, keys, values, mask, scale)
 
     gather_slots = torch.stack(

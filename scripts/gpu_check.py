@@ -12,11 +12,13 @@ ends, one flushed JSON line is appended to ``DIR/results.jsonl``::
 
     {"step", "ok", "seconds", "device", "torch", "error", "figures": {...}}
 
-with the figures found up to where it ended; everything the steps print goes to the console
+with the figures found up to where it ended (``error``: what ended it in its first line, then
+the traceback or the step's last output); everything the steps print goes to the console
 and ``DIR/gpu_check.log``. ``--device cpu`` runs every step's code on the CPU at a shrunk size
 (the demo model, the 7B shape scaled down, graphs replayed eagerly). Without CUDA and without
 ``--device cpu`` it says so in one line and exits 0. Steps, their budgets and what each
-measures: docs/testing.md §GPU check.
+measures: docs/testing.md §GPU check. One more step, ``compile`` (the decode step compiled
+whole), is not in a default run: scripts.gpu_probe runs it, before this check.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ BUDGETS = {
     "tests": (100, 60),
     "shards": (60, 60),
     "profile": (150, 90),
+    # Not in a default run: scripts.gpu_probe runs it, under its own limit.
+    "compile": (120, 120),
 }
-DEFAULT_STEPS = tuple(BUDGETS)
+DEFAULT_STEPS = tuple(step for step in BUDGETS if step != "compile")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,11 +65,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--run-step", help=argparse.SUPPRESS)  # a child: run this step alone
     parser.add_argument("--figures", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.steps = [s for s in args.steps.split(",") if s]
-    unknown = sorted(set(args.steps) - set(BUDGETS))
-    if unknown:
-        parser.error(f"unknown step {unknown[0]}; steps: {', '.join(BUDGETS)}")
+    args.steps = names_from(parser, args.steps, BUDGETS, "step")
     return args
+
+
+def names_from(parser: argparse.ArgumentParser, text: str, known, kind: str) -> list[str]:
+    """A comma-separated list of ``kind`` names, each one of ``known`` (else the parser's
+    error, which exits)."""
+    names = [name for name in text.split(",") if name]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown {kind} {unknown[0]}; {kind}s: {', '.join(known)}")
+    return names
 
 
 def budgets(args: argparse.Namespace) -> dict[str, float]:
@@ -96,7 +107,7 @@ def main(argv=None) -> int:
                 results.write(json.dumps(line) + "\n")
                 results.flush()
                 os.fsync(results.fileno())
-            state = "ok" if line["ok"] else f"FAILED: {line['error'].splitlines()[-1][:200]}"
+            state = "ok" if line["ok"] else f"FAILED: {line['error'].splitlines()[0]}"
             say(log, f"== {step}: {state} in {line['seconds']} s; {json.dumps(line['figures'])}")
             if not line["ok"]:
                 failed.append(step)
@@ -109,6 +120,12 @@ def say(log, text: str) -> None:
     print(text, flush=True)
     log.write(text + "\n")
     log.flush()
+
+
+def error_line(error: BaseException) -> str:
+    """An error in one line: its type and its message's first line (a failed compile's
+    traceback ends in torch's "Set TORCHDYNAMO_VERBOSE=1 ...", whatever failed)."""
+    return traceback.format_exception_only(error)[0].splitlines()[0][:300]
 
 
 def isolated(step: str, args, budget: float, figures_path: Path, log) -> dict:
@@ -166,9 +183,9 @@ def run_step(args) -> int:
     outcome = {"ok": True, "device": device_name(plan), "torch": torch.__version__, "error": None}
     try:
         STEPS[args.run_step](plan, figures)
-    except Exception:
+    except Exception as error:
         traceback.print_exc()
-        outcome.update(ok=False, error=traceback.format_exc()[-4000:])
+        outcome.update(ok=False, error=f"{error_line(error)}\n{traceback.format_exc()[-4000:]}")
     faulthandler.cancel_dump_traceback_later()
     figures["__outcome__"] = outcome
     return 0 if outcome["ok"] else 1

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 import llava.exec.graphs as graphs
 from demo_model.synthetic import held_out_samples
@@ -35,6 +36,8 @@ def main(mode: str, out: Path) -> None:
         print(f"gpu_compiled_decode: no CUDA device here (torch {torch.__version__})")
         return
     if mode == "inductor":
+        # In this process, so a failed compile raises its own error (not SubprocException).
+        torch._inductor.config.compile_threads = 1
         graphs._capture = capture_compiled
     shape = argparse.Namespace(sessions=[1], new_tokens=64, shard_sessions=4)
     plan = Plan.for_device("cuda", shape)

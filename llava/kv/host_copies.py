@@ -111,6 +111,7 @@ class HostCopies:
         """Device bytes the two staging chunks take once allocated (none on CPU)."""
         return 2 * self.chunk_blocks * self.pool.bytes_per_block // self.layers if self.cuda else 0
 
+    @torch.inference_mode()  # a copy of data: the same mode whichever thread asks
     def to_host(self, blocks: list[int]) -> torch.Tensor:
         """A host copy of ``blocks``, every layer: [layers, len(blocks), *layer_blocks_shape].
         On CUDA it may still be arriving when this returns; the compute stream waits only
@@ -127,6 +128,7 @@ class HostCopies:
                     part.copy_(stage, non_blocking=True)
         return host
 
+    @torch.inference_mode()
     def to_device(self, host: torch.Tensor, blocks: list[int], skip: int = 0) -> None:
         """Copy the blocks of ``host`` (from ``to_host``) past its first ``skip`` (those still
         on the device: a shared prefix) into ``blocks``, every layer; the compute stream's

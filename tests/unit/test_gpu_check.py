@@ -5,16 +5,21 @@ is too short for a run that breaks at its first step to start again)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd import DeviceType
 
 from scripts.gpu_check import DEFAULT_STEPS
+from scripts.gpu_steps import _where_time_went, cuda_test_files, cuda_tests_problem, outcome_counts
 
-pytestmark = pytest.mark.thorough  # each step is a child process that imports torch
+# each step is a child process that imports torch
+thorough = pytest.mark.thorough
 
 REPO = Path(__file__).resolve().parents[2]
 LINE_KEYS = {"step", "ok", "seconds", "device", "torch", "error", "figures"}
@@ -27,6 +32,7 @@ def gpu_check(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, list
     return done, [json.loads(line) for line in lines]
 
 
+@thorough
 def test_every_step_runs_on_the_cpu_and_writes_its_line(tmp_path):
     done, lines = gpu_check(tmp_path, "--device", "cpu")
     assert done.returncode == 0, done.stdout[-3000:]
@@ -44,7 +50,9 @@ def test_every_step_runs_on_the_cpu_and_writes_its_line(tmp_path):
                 "ttft_turn10_stateless_over_kv", "recompute_over_restore"):  # fmt: skip
         assert table[key] > 0, key
     assert table["turn10_prefill_tokens"] > 576  # the image and nine turns, prefilled again
-    assert figures["tests"]["skipped"] >= 7  # the CUDA tests were collected, and skipped here
+    # every CUDA test was collected (test_gpu.py's 7, the pool's allocator test), and skipped
+    assert figures["tests"]["skipped"] >= 8 and "passed" not in figures["tests"]
+    assert "tests/unit/test_kv_pool.py" in figures["tests"]["files"]
     assert figures["shards"]["sessions_by_shard"] == [2, 2]
     for sessions in ("sessions_1", "sessions_4"):  # where a decode step's time goes
         where = figures["profile"][sessions]
@@ -55,6 +63,7 @@ def test_every_step_runs_on_the_cpu_and_writes_its_line(tmp_path):
     assert all(f"== {step}: ok" in log for step in DEFAULT_STEPS)
 
 
+@thorough
 def test_a_step_past_its_budget_is_cut_with_its_stacks_and_the_next_one_runs(tmp_path):
     done, lines = gpu_check(
         tmp_path, "--device", "cpu", "--steps", "preflight,tests", "--budgets", "preflight=1"
@@ -69,6 +78,7 @@ def test_a_step_past_its_budget_is_cut_with_its_stacks_and_the_next_one_runs(tmp
     assert "failed: preflight" in done.stdout
 
 
+@thorough
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: it would measure")
 @pytest.mark.parametrize(
     "command", [["scripts.gpu_block_sizes"], ["scripts.gpu_compiled_decode", "eager", "out.json"]]
@@ -78,3 +88,77 @@ def test_a_gpu_experiment_without_cuda_says_so_in_one_line(command):
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [done.stdout.strip()] and "no CUDA device" in done.stdout
+
+
+# -- the tests step's rule ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "counts, cuda, problem",
+    [
+        ({}, True, "no CUDA test passed"),  # pytest's exit 5: nothing collected
+        ({"skipped": 8}, True, "no CUDA test passed"),  # every test skipped on a CUDA host
+        ({"passed": 7, "skipped": 1}, True, None),
+        ({"passed": 7, "failed": 1}, True, "1 CUDA tests failed or errored"),
+        ({"passed": 7, "errors": 2}, True, "2 CUDA tests failed or errored"),
+        ({"skipped": 8}, False, None),  # the CPU run: collected, and skipped
+        ({}, False, "no CUDA test skipped"),
+    ],
+)
+def test_the_tests_step_needs_a_cuda_test_passed_and_none_failed(counts, cuda, problem):
+    assert cuda_tests_problem(counts, cuda) == problem
+
+
+def test_pytest_closing_lines_are_read_as_counts():
+    assert outcome_counts("1 failed, 7 passed, 2 skipped, 1 error in 3.20s") == {
+        "failed": 1, "passed": 7, "skipped": 2, "errors": 1,
+    }  # fmt: skip
+    assert outcome_counts("8 skipped, 1230 deselected in 2.01s") == {"skipped": 8}
+    assert outcome_counts("no tests ran in 0.01s") == {}
+
+
+def test_every_test_that_skips_without_cuda_is_run_by_the_tests_step():
+    found = cuda_test_files()
+    assert {"tests/unit/test_gpu.py", "tests/unit/test_kv_pool.py"} <= set(found)
+    # skipped without CUDA: `skipif(not torch.cuda.is_available(), ...)`, or `not CUDA` of a
+    # module's own CUDA = torch.cuda.is_available()
+    needs_cuda = re.compile(r"skipif\(\s*not\s+(torch\.cuda\.is_available\(\)|CUDA\b)")
+    unmarked = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "tests").rglob("test_*.py"))
+        if needs_cuda.search(path.read_text()) and str(path.relative_to(REPO)) not in found
+    ]
+    assert unmarked == [], "mark their CUDA tests pytest.mark.gpu: the tests step runs -m gpu"
+
+
+# -- the profile's arithmetic ------------------------------------------------------------------
+def event(key, count=1, device_us=0, cpu_us=0, device_type=DeviceType.CPU):
+    """A stand-in for one row of torch.profiler's key_averages()."""
+    return SimpleNamespace(
+        key=key, count=count, device_type=device_type, self_device_time_total=device_us,
+        self_cpu_time_total=cpu_us,
+    )  # fmt: skip
+
+
+def test_the_profile_counts_each_kernel_once_on_the_device_side():
+    cuda = DeviceType.CUDA
+    rows = [
+        event("aten::mm", 4, device_us=800, cpu_us=60),  # the host op: its kernels' time again
+        event("nvjet_gemm", 4, device_us=800, device_type=cuda),
+        event("triton_tem_fused_flex_attention_0", 2, device_us=300, device_type=cuda),
+        event("Memcpy HtoD (Pageable -> Device)", 2, device_us=100, device_type=cuda),
+        event("cudaLaunchKernel", 4, cpu_us=20),
+        event("cudaLaunchKernelExC", 2, cpu_us=10),
+        event("cuLaunchKernelEx", 2, cpu_us=10),
+        event("cudaGraphLaunch", 2, cpu_us=30),
+        event("cudaMemcpyAsync", 2, cpu_us=40),
+        event("cudaStreamSynchronize", 2, cpu_us=500),
+    ]
+    where = _where_time_went(rows, wall_s=0.004, steps=2)
+    assert where["kernel_ms_per_step"] == 0.6  # (800 + 300 + 100) µs over 2 steps, not 1.0
+    assert where["kernels_per_step"] == 4
+    assert where["kernel_launches_per_step"] == 4  # every launch call: 8 over 2 steps
+    assert (where["graph_launches_per_step"], where["copies_per_step"]) == (1, 1)
+    assert where["syncs_per_step"] == 1 and where["profiled_wall_ms_per_step"] == 2
+    assert list(where["top_kernels_ms_per_step"]) == [
+        "nvjet_gemm", "triton_tem_fused_flex_attention_0", "Memcpy HtoD (Pageable -> Device)",
+    ]  # fmt: skip
+    assert next(iter(where["top_host_ms_per_step"])) == "cudaStreamSynchronize"

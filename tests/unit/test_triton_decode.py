@@ -102,7 +102,10 @@ def test_one_block_a_tile_and_a_group_of_eight():
         torch.float16,
         pytest.param(
             torch.bfloat16,
-            marks=pytest.mark.skipif(not CUDA, reason="the interpreter's bf16 tl.dot is wrong"),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not CUDA, reason="the interpreter's bf16 tl.dot is wrong"),
+            ],
         ),
     ],
 )
@@ -146,6 +149,7 @@ def test_inputs_that_do_not_fit_are_refused():
             paged_decode(*half, tables, positions, 16, 1.0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the engine's geometry is too slow for the interpreter")
 def test_a_7b_geometry_in_bf16():
     order = torch.randperm(80, generator=torch.Generator().manual_seed(5)).tolist()
@@ -156,6 +160,7 @@ def test_a_7b_geometry_in_bf16():
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
 def test_captured_in_a_cuda_graph_and_replayed_with_new_rows():
     q, keys, values, tables, positions = make_inputs(ROWS_4, 4, heads=4, kv_heads=2)
