@@ -353,7 +353,7 @@ class Runner:
 
     def _forward(self, hidden, positions, write_slots, attending, last) -> torch.Tensor:
         """The layers over packed tokens; float32 logits at the ``last`` rows (all if None).
-        ``attending``: which rows are decode rows (their block mask) and which prefills."""
+        ``attending``: which rows are decode rows (their paged inputs) and which prefills."""
         cos, sin = self.lm.rotary_emb(hidden, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]: broadcast on heads
         delta = None  # a layer's MLP output: the next layer's first piece adds it
