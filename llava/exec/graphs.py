@@ -71,7 +71,7 @@ class StaticDecode:
                 torch.ones(size, 3, device=device),
                 torch.zeros(size, 2, **long),
             ),
-            StepBuffers(device, capacity=8 * size),
+            StepBuffers(device),  # grows once if a step needs more
         )
 
     def inputs(self) -> tuple:

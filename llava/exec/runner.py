@@ -13,8 +13,9 @@ Under ``auto`` a paged call that raises (a compile, most likely; the engine's wa
 first to make one) switches the runner to sdpa for good, the step is run again, and the switch
 is logged once and counted; a forced ``flex`` or ``triton`` lets the error out
 (PagedAttentionFailed). The step's index tensors are built once (llava.exec.step_meta) and the
-next ids are chosen on the device (llava.sampling.sampler). The layers' own modules do the
-maths, so the weights, norms and rotary embedding are the checkpoint's
+next ids are chosen on the device (llava.sampling.sampler). A layer runs as two pieces around
+attention over the checkpoint's own weights (QKV and gate/up merged as views of them,
+llava.exec.layers), with its norms' eps and its rotary embedding
 (docs/engine/execution.md §Step runner).
 """
 
@@ -133,8 +134,8 @@ class Runner:
         # 0.98 ms a layer at 32 rows against the SDPA loop's 5.6; docs/testing.md §GPU check).
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-        if attention == "triton" and triton_decode.unavailable(pool.kv.device):
-            raise SettingsError("attention", f"triton: {triton_decode.unavailable(pool.kv.device)}")
+        if attention == "triton" and (why := triton_decode.unavailable(pool.kv.device)):
+            raise SettingsError("attention", f"triton: {why}")
         self.attention_setting = attention
         if attention == "auto":
             attention = "flex" if pool.kv.device.type == "cuda" else "sdpa"
@@ -256,9 +257,8 @@ class Runner:
         q = torch.randn(rows, self.heads, self.head_dim, dtype=self.pool.kv.dtype, device=device)
         keys, values = self.pool.kv[0]
         scaling = self.lm.layers[0].self_attn.scaling
-        previous, self.attention = self.attention, kind
         try:
-            paged = self._paged_rows(tables, positions)
+            paged = self._paged_rows(tables, positions, kind)
             attend_paged(q, keys, values, paged, scaling)  # compiles
             _synchronize(device)
             start = time.perf_counter()
@@ -271,8 +271,6 @@ class Runner:
         except Exception as e:
             logger.warning("attention auto: %s not timed: %s", kind, one_line(e))
             return math.inf
-        finally:
-            self.attention = previous
 
     def warm_up_layers(self) -> None:
         """Compile the layer pieces now (CUDA), so the compile, or its failure (logged once,
@@ -340,12 +338,16 @@ class Runner:
             self._paged_rows if self.attention in PAGED else None,
         )
 
-    def _paged_rows(self, tables: torch.Tensor, positions: torch.Tensor) -> PagedRows:
-        """The paged path's rows; splits by their bucket, so each bucket compiles once."""
+    def _paged_rows(
+        self, tables: torch.Tensor, positions: torch.Tensor, kind: str | None = None
+    ) -> PagedRows:
+        """The rows for the paged path ``kind`` (None: the one in effect); splits by their
+        bucket, so each bucket compiles once."""
         bt = self.pool.block_tokens
         rows = padded_rows(tables.shape[0])
         splits = triton_decode.default_splits(rows, self.kv_heads, self.max_tokens, bt)
-        return paged_rows(self.attention, tables, positions, bt, self.pool_slots, splits)
+        kind = kind or self.attention
+        return paged_rows(kind, tables, positions, bt, self.pool_slots, splits)
 
     def _logits(self, batch: list[StepInput], meta: StepMeta) -> torch.Tensor:
         hidden = self._embed(batch, meta)
