@@ -91,6 +91,19 @@ class EngineConfig:
     share_prefixes: bool = True
     # Every turn ends by then (stop_reason "deadline"): below SageMaker's 60 s invocation limit.
     turn_deadline_s: float = 50.0
+    # Admission limits (docs/security.md §Admission limits). Sessions held at once: one more
+    # evicts the least recently used text-only idle session, else is refused (NO_CAPACITY).
+    max_sessions: int = 1024
+    # A session's conversation in tokens (image, prompt, every turn and answer): a turn that
+    # would pass it is refused (CONVERSATION_TOO_LONG); the context length bounds it too.
+    max_session_tokens: int = 8192
+    # Asks of one session waiting behind the one in flight; one more is refused (SESSION_BUSY).
+    max_waiting_asks: int = 0
+    # Requests a worker serves at once; one more is refused before it takes a thread
+    # (503 OVERLOADED with Retry-After).
+    max_requests_in_flight: int = 64
+    # Threads that fetch and decode images, apart from the request threads.
+    image_workers: int = 2
     intake: dict[str, Any] = field(default_factory=dict)  # llava.intake.IntakePolicy keys
 
     def __post_init__(self):
@@ -200,6 +213,11 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: _number(v) and 0 < v < 60,
         "a number of seconds > 0 and < 60 (SageMaker's invocation limit)",
     ),
+    "max_sessions": (_positive_int, "an integer > 0"),
+    "max_session_tokens": (_positive_int, "an integer > 0"),
+    "max_waiting_asks": (lambda v: _int(v) and 0 <= v <= 16, "an integer from 0 to 16"),
+    "max_requests_in_flight": (_positive_int, "an integer > 0"),
+    "image_workers": (lambda v: _int(v) and 1 <= v <= 32, "an integer from 1 to 32"),
     "intake": (lambda v: isinstance(v, Mapping), "a JSON object of intake settings"),
 }
 

@@ -30,6 +30,13 @@ class SessionIdInUse(InvalidRequest):
     code = "SESSION_ID_IN_USE"
 
 
+class SessionBusy(EngineError):
+    """The session already has an ask in flight (and ``max_waiting_asks`` waiting): send the
+    next one when it is answered, or cancel it (HTTP 409)."""
+
+    code = "SESSION_BUSY"
+
+
 class SessionNotFound(EngineError):
     """The session id is unknown, closed or expired (``code`` says which)."""
 
@@ -78,6 +85,17 @@ class Busy(NoCapacity):
     ``retry_after_s`` (HTTP 503 with Retry-After). Nothing of any session was lost."""
 
     code = "KV_MEMORY_FULL"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Overloaded(NoCapacity):
+    """The worker serves ``max_requests_in_flight`` requests already: retry after
+    ``retry_after_s`` (HTTP 503 with Retry-After). Refused before it took a thread."""
+
+    code = "OVERLOADED"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0):
         super().__init__(message)
