@@ -72,6 +72,16 @@ COPY config.properties model-config.yaml ./
 COPY scripts scripts
 COPY docker docker
 
+# Not root: a fixed uid (a host or a policy can name it), no password, no login shell; -l keeps
+# a high uid from growing /var/log/lastlog into a huge sparse file. The code and the venv stay
+# root's, read-only to it. It writes only to /tmp (TorchServe's SERVE_WORK_DIR, the persistent
+# tier's fallback) and /dev/shm (the persistent tier), both writable by any user, and its home
+# (compiler caches); /opt/ml/model, which SageMaker mounts read-only and owned by root, it only
+# reads (docs/container.md §The image).
+RUN useradd --uid 10001 --user-group --no-log-init --create-home --home-dir /home/llava \
+        --shell /usr/sbin/nologin llava
+USER 10001:10001
+
 EXPOSE 8080
 ENTRYPOINT ["/usr/bin/tini", "--", "/opt/stateful-llava/docker/entrypoint.sh"]
 CMD ["serve"]

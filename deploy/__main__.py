@@ -4,19 +4,23 @@
         --model-data s3://bucket/llava-1.5-7b-hf/ --role arn:aws:iam::<account>:role/<role> \\
         [--instance-type ml.g5.2xlarge] [--instance-count 1] \\
         [--startup-timeout 1800] [--download-timeout 1800] \\
-        [--env LLAVA_SESSION_TTL_S=600 ...] [--inference-ami-version VERSION|default] \\
-        [--no-wait] [--region eu-west-1]
+        [--env LLAVA_SESSION_TTL_S=600 ...] [--s3-images bucket/prefix ...] \\
+        [--inference-ami-version VERSION|default] [--no-wait] [--region eu-west-1]
     python -m deploy delete --name llava-chat [--region eu-west-1]
+    python -m deploy image-policy --s3-images bucket/prefix [...]
 
 ``create`` prints the names of what it created, one per line, then the endpoint's status and
 the time waited at each change and at least every minute, and exits 0 once the endpoint is
 InService (1 if it failed, with SageMaker's reason); ``delete`` removes the endpoint with its
-endpoint config and models. AWS credentials come from the usual places (AWS_PROFILE, ...).
+endpoint config and models; ``image-policy`` prints the IAM policy that lets the role read
+the ``--s3-images`` it serves (nothing else: create never changes IAM). AWS credentials come
+from the usual places (AWS_PROFILE, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import boto3
@@ -24,6 +28,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from sagemaker.core.utils.exceptions import SageMakerCoreError
 
 from deploy.endpoint import INFERENCE_AMI_VERSION, DeploySpec, create, delete
+from deploy.image_access import read_policy
 
 
 def _env_pair(text: str) -> tuple[str, str]:
@@ -42,8 +47,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--region", help="default: the AWS configuration's region")
     commands = parser.add_subparsers(dest="command", required=True)
+    s3_images = argparse.ArgumentParser(add_help=False)
+    s3_images.add_argument(
+        "--s3-images",
+        action="append",
+        default=[],
+        metavar="BUCKET[/PREFIX]",
+        help="where s3:// images may come from (repeatable; none: s3:// images are refused)",
+    )
     up = commands.add_parser(
-        "create", parents=[common], help="model, endpoint config, endpoint; wait InService"
+        "create",
+        parents=[common, s3_images],
+        help="model, endpoint config, endpoint; wait InService",
     )
     up.add_argument("--name", required=True, help="endpoint name (models: name-<timestamp>)")
     up.add_argument("--image", required=True, help="ECR image URI (scripts/build_and_push.sh)")
@@ -66,12 +81,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "delete", parents=[common], help="the endpoint, its endpoint config and models"
     )
     down.add_argument("--name", required=True, help="endpoint name")
+    commands.add_parser(
+        "image-policy", parents=[s3_images], help="the IAM policy to read the --s3-images"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.command == "image-policy":  # no AWS call: a document for whoever owns IAM
+            print(json.dumps(read_policy(args.s3_images), indent=2))
+            return 0
         session = boto3.Session(region_name=args.region)
         if args.command == "create":
             spec = DeploySpec(
@@ -87,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 inference_ami_version=(
                     None if args.inference_ami_version == "default" else args.inference_ami_version
                 ),
+                s3_images=tuple(args.s3_images),
             )
             for line in create(spec, session, wait=not args.no_wait).lines():
                 print(line)

@@ -24,6 +24,8 @@ from sagemaker.core.shapes import (
 )
 from sagemaker.core.utils.exceptions import FailedStatusError, TimeoutExceededError
 
+from deploy.image_access import check_entries, intake_environment
+
 # The container's setting that names the endpoint in its metrics (serving/emf.py reads it; a
 # container cannot learn its endpoint's name from SageMaker).
 ENDPOINT_ENV = "SERVE_ENDPOINT_NAME"
@@ -51,6 +53,7 @@ class DeploySpec:
     download_timeout_s: int = 1800  # ModelDataDownloadTimeoutInSeconds
     environment: dict[str, str] = field(default_factory=dict)  # LLAVA_* settings and the like
     inference_ami_version: str | None = INFERENCE_AMI_VERSION  # None: SageMaker's default AMI
+    s3_images: tuple[str, ...] = ()  # intake.s3_buckets: bucket or bucket/prefix entries
 
     def __post_init__(self) -> None:
         if not self.model_data.startswith("s3://"):
@@ -61,6 +64,8 @@ class DeploySpec:
             )
         if self.instance_count < 1:
             raise ValueError("instance count must be at least 1")
+        check_entries(self.s3_images)
+        intake_environment(self.s3_images, self.environment)  # refuses a conflict now
         if ENDPOINT_ENV in self.environment:
             raise ValueError(f"{ENDPOINT_ENV} is the endpoint's name, set by deploy: leave it out")
         for name, seconds in (
@@ -76,6 +81,7 @@ class DeploySpec:
         return {
             "SERVE_STARTUP_TIMEOUT_S": str(self.startup_timeout_s - 30),
             **self.environment,
+            **intake_environment(self.s3_images, self.environment),
             ENDPOINT_ENV: self.endpoint_name,
         }
 

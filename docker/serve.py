@@ -288,7 +288,12 @@ def serve(settings: Settings) -> int:
         log=lambda line: print(f"serve: {line}", flush=True),
     )
     try:
-        front = Front((settings.host, settings.port), ("127.0.0.1", inference), supervisor.ready)
+        front = Front(
+            (settings.host, settings.port),
+            ("127.0.0.1", inference),
+            supervisor.ready,
+            upstream_auth=lambda: ts.auth_headers("inference"),
+        )
     except OSError as e:
         raise SettingError(f"cannot listen on {settings.host}:{settings.port}: {e}") from None
     threading.Thread(target=front.serve_forever, name="front", daemon=True).start()

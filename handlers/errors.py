@@ -12,8 +12,8 @@ logger = logging.getLogger(__name__)
 
 STATUS_BY_ERROR: dict[type[errors.EngineError], int] = {
     errors.InvalidRequest: 400,
-    errors.SessionNotFound: 400,
-    errors.SessionBusy: 409,  # one ask in flight per session (docs/security.md)  # SageMaker clients treat 4xx as "fix the call", not retry
+    errors.SessionNotFound: 400,  # SageMaker clients treat 4xx as "fix the call", not retry
+    errors.SessionBusy: 409,  # one ask in flight per session (docs/security.md)
     errors.ImageSourceNotAllowed: 403,
     errors.ImageTooLarge: 413,
     errors.NotAnImage: 415,

@@ -4,13 +4,16 @@ Described in docs/wire.md §Wire contract.
 
 Knows nothing of TorchServe, so it is tested (and fuzzed) on its own. Accepts the seeds'
 client shapes too: ``extSessionID`` in the body (on an open: the id the client wants for its
-new session), ``sampling_params`` for ``parameters``. Each request type accepts a stated set
-of top-level keys and refuses any other, so nothing a client sends is dropped unread.
+new session, which the engine extends with a random part when it counts under 128 bits:
+llava.sessions.store.full_session_id), ``sampling_params`` for ``parameters``. Each request
+type accepts a stated set of top-level keys and refuses any other, so nothing a client sends is
+dropped unread.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,7 +21,15 @@ from typing import Any
 
 from llava.errors import InvalidRequest, clip, echo
 from llava.intake import parse_image_source
-from llava_wire import CANCEL_TURN, CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_HEADER, session_ids
+from llava_wire import (
+    CANCEL_TURN,
+    CLOSE_SESSION,
+    CUSTOM_ATTRIBUTES_HEADER,
+    NEW_SESSION,
+    SESSION,
+    SESSION_HEADER,
+    session_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,7 @@ class OpenSession:
     image: dict | None  # a source object for llava.intake.load_image, or None: text-only
     session_id: str | None = None  # the client's own id (extSessionID), or None: we pick one
     system: Any = None  # the session's system prompt (checked by the engine), None: the default
+    tenant: str | None = None  # its sessions share nothing with another tenant's
 
 
 @dataclass(frozen=True)
@@ -72,25 +84,91 @@ ACCEPTED_KEYS = {
 }
 
 
+# SageMaker forwards the backend's CustomAttributes verbatim in this header: at most 1024
+# visible US-ASCII characters, a list of attributes separated by "," or ";". Ours is
+# "tenant=<key>"; any other attribute is the backend's own and passes unread.
+MAX_CUSTOM_ATTRIBUTES = 1024
+_ATTRIBUTE_SEPARATORS = re.compile(r"[,;]")
+_TEXT = re.compile(r"[\t\x20-\x7e]*")
+
+
+def tenant_attribute(value: str | None) -> str | None:
+    """The ``tenant=<key>`` attribute of a custom-attributes header's ``value`` (None: no
+    header, or no tenant in it); a malformed header is refused, naming it."""
+    if value is None:
+        return None
+    where = f"the {CUSTOM_ATTRIBUTES_HEADER} header"
+    if len(value) > MAX_CUSTOM_ATTRIBUTES or not _TEXT.fullmatch(value):
+        raise InvalidRequest(
+            f"{where} must be at most {MAX_CUSTOM_ATTRIBUTES} visible US-ASCII characters"
+        )
+    tenants = []
+    for attribute in _ATTRIBUTE_SEPARATORS.split(value):
+        name, equals, key = attribute.partition("=")
+        if name.strip().lower() != "tenant":
+            continue
+        if not equals or not key.strip():
+            raise InvalidRequest(f"{where} names a tenant without a key: send tenant=<key>")
+        tenants.append(key.strip())
+    if len(tenants) > 1:  # which one applies would be a guess
+        raise InvalidRequest(f"{where} names the tenant {len(tenants)} times; send it once")
+    return tenants[0] if tenants else None
+
+
 def header(headers: Mapping[str, Any], name: str) -> str | None:
     """Case-insensitive header lookup (TorchServe's own lookup is case-sensitive)."""
     wanted = name.lower()
     for key, value in headers.items():
         if isinstance(key, str) and key.lower() == wanted:
-            return value.decode() if isinstance(value, bytes | bytearray) else str(value)
+            if isinstance(value, bytes | bytearray):  # not UTF-8: U+FFFD, which checks refuse
+                return value.decode(errors="replace")
+            return str(value)
     return None
 
 
+# The deepest a body may nest (a request needs 3: an image source's object). Python's json
+# and repr recurse: a 10,000-deep body raises RecursionError in them, so it stops here.
+MAX_BODY_DEPTH = 32
+
+
 def parse_body(body: Any) -> dict:
-    """TorchServe hands over parsed JSON, or raw bytes/str when it could not parse it."""
+    """TorchServe hands over parsed JSON, or raw bytes/str when it could not parse it (a body
+    too deep for its json.loads comes as bytes too)."""
     if isinstance(body, bytes | bytearray | str):
         try:
             body = json.loads(body)
+        except RecursionError:
+            raise InvalidRequest(f"the body nests deeper than {MAX_BODY_DEPTH} levels") from None
         except (UnicodeDecodeError, ValueError) as err:
             raise InvalidRequest(f"the body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object with a 'requestType'")
+    for key, value in body.items():
+        _check_value(echo(key), key, value)
     return body
+
+
+def _check_value(field: str, key: str, value: Any) -> None:
+    """Refuse, naming the body's ``field``, a value nested past MAX_BODY_DEPTH or a string that
+    is not text: a lone surrogate (the JSON escape "\\ud800") encodes as no UTF-8, and the
+    tokenizer or a reply would fail on it as a 500. Iterative: the depth is not yet known."""
+    pending = [(key, 1), (value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_BODY_DEPTH:
+            raise InvalidRequest(f"{field} nests deeper than {MAX_BODY_DEPTH} levels")
+        if isinstance(item, dict):
+            pending += [(part, depth + 1) for pair in item.items() for part in pair]
+        elif isinstance(item, list):
+            pending += [(part, depth + 1) for part in item]
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise InvalidRequest(
+                    f"{field} is not UTF-8 text: it holds a lone surrogate "
+                    f"(U+{ord(item[err.start]):04X}); send the character it stands for"
+                ) from None
 
 
 def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
@@ -101,7 +179,8 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     no_id = from_header is None and from_body is None
     kind = payload.get("requestType", NEW_SESSION if no_id else SESSION)
     if kind == NEW_SESSION:
-        return _open(payload, from_header, from_body)
+        tenant = tenant_attribute(header(headers, CUSTOM_ATTRIBUTES_HEADER))
+        return _open(payload, from_header, from_body, tenant)
     if kind not in (SESSION, CLOSE_SESSION, CANCEL_TURN):
         raise InvalidRequest(
             f"unknown requestType {echo(kind)}; use NEW_SESSION, SESSION, CLOSE_SESSION or "
@@ -128,7 +207,9 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     return AskSession(session_id, payload["inputs"], _parameters(payload), stream, rewind)
 
 
-def _open(payload: dict, from_header: str | None, from_body: str | None) -> OpenSession:
+def _open(
+    payload: dict, from_header: str | None, from_body: str | None, tenant: str | None
+) -> OpenSession:
     """An open names no existing session; ``extSessionID`` is the id the client wants."""
     if from_header is not None:
         raise InvalidRequest(
@@ -147,7 +228,7 @@ def _open(payload: dict, from_header: str | None, from_body: str | None) -> Open
     _check_keys(payload, NEW_SESSION)
     image = payload.get("image")
     source = None if image is None else parse_image_source(image)
-    return OpenSession(source, from_body, payload.get("system"))
+    return OpenSession(source, from_body, payload.get("system"), tenant)
 
 
 def _check_keys(payload: dict, kind: str) -> None:

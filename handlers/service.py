@@ -1,9 +1,9 @@
 """The requests of one worker: parse, dispatch to ``llava.Engine``, shape the reply.
 
 ``LlavaService.serve`` handles one request, blocking, in a thread of its own (the async entry
-point, handlers/llava_handler.py, runs each request in its pool): image fetch and decode, and
-the wait on the engine, happen there, never on TorchServe's event loop
-(docs/architecture.md §Architecture).
+point, handlers/llava_handler.py, runs each request in its pool): the wait on the engine and
+on the image fetch and decode (on threads of their own, llava.intake.loader) happen there,
+never on TorchServe's event loop (docs/architecture.md §Architecture).
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from handlers.protocol import (
     parse_request,
     session_header_value,
 )
+from handlers.token_stream import TokenStream
 from handlers.turns import TurnsInFlight
-from llava.config import SettingsError, load_config, setting_source
+from llava.config import EngineConfig, SettingsError, load_config, setting_source
 from llava.engine import Answer
-from llava.intake import IntakePolicy, load_image
+from llava.intake import IntakePolicy
+from llava.intake.loader import ImageLoader
 from llava.sessions.reaper import Reaper
 from llava.shards import ShardedEngine
 from llava_wire import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
@@ -39,9 +41,10 @@ JSON_LINES = "application/jsonlines"
 
 
 class LlavaService:
-    def __init__(self, engine: ShardedEngine, policy: IntakePolicy, metrics: SessionMetrics):
+    def __init__(self, engine: ShardedEngine, config: EngineConfig, metrics: SessionMetrics):
         self.engine = engine
-        self.policy = policy
+        self.config = config  # what the handler sizes its request threads from
+        self.images = ImageLoader(IntakePolicy.from_mapping(config.intake), config.image_workers)
         self.metrics = metrics
         self.turns = TurnsInFlight()
         # Expired sessions are freed, and the gauges follow, with no request arriving.
@@ -55,7 +58,6 @@ class LlavaService:
         # One engine shard per device (docs/engine/scheduling.md §Engine shards): TorchServe's
         # gpu_id is not used, this one worker drives every device its setting names.
         config = load_config(archived, os.environ, context.system_properties["model_dir"])
-        policy = IntakePolicy.from_mapping(config.intake)
         try:  # the devices, memory and attention settings are checked against this machine
             engine = ShardedEngine.from_config(config)
             warm_s = engine.warm_up()  # a forced flex attention that fails: SettingsError
@@ -68,7 +70,7 @@ class LlavaService:
             engine.shards[0].loaded.dtype,
             warm_s,
         )
-        return cls(engine, policy, SessionMetrics(context.metrics))
+        return cls(engine, config, SessionMetrics(context.metrics))
 
     def serve(self, idx: int, body, context) -> str:
         """The reply to request ``idx``: what TorchServe sends as the final response."""
@@ -93,7 +95,7 @@ class LlavaService:
                 for name, value in error.headers.items():
                     reply.header(name, value)
         self.publish()
-        return reply.finish(json.dumps(payload) + ("\n" if reply.streaming else ""))
+        return reply.finish(payload)
 
     def publish(self) -> None:
         """Gauges from every shard's totals (after every request, and from the reaper)."""
@@ -102,8 +104,8 @@ class LlavaService:
     def _open(self, request: OpenSession, reply: _Reply) -> dict:
         image = None
         if request.image is not None:
-            image = load_image(request.image, self.policy, fit=self.engine.image_side)
-        opened = self.engine.open(image, request.session_id, request.system)
+            image = self.images.load(request.image, fit=self.engine.image_side)
+        opened = self.engine.open(image, request.session_id, request.system, request.tenant)
         value = session_header_value(opened.session_id, opened.expires_at)
         reply.header(SESSION_HEADER, value)
         reply.header(NEW_SESSION_HEADER, value)
@@ -152,7 +154,12 @@ class _Reply:
         self.context = context
         self.idx = idx
         self.code = 200
-        self.streaming = False  # True once a chunk went out: status and headers are sent
+        self._stream: TokenStream | None = None  # from the first token on
+
+    @property
+    def streaming(self) -> bool:
+        """A token line is on its way: status and headers are fixed, the stream must end."""
+        return self._stream is not None
 
     def header(self, name: str, value: str) -> None:
         self.context.set_response_header(self.idx, name, value)
@@ -165,10 +172,14 @@ class _Reply:
         self.context.set_response_status(code, "", self.idx)
 
     def send_token(self, text: str, token_id: int | None) -> None:
-        self._send(json.dumps({"token": {"id": token_id, "text": text}}) + "\n")
+        """The engine's ``on_token`` (its loop thread): queued, sent by the stream's thread."""
+        if self._stream is None:
+            self._stream = TokenStream(self._send)
+        self._stream.token(text, token_id)
 
-    def finish(self, body: str) -> str:
-        """What to return as the final reply.
+    def finish(self, payload: dict) -> str:
+        """What to return as the final reply: a stream's last line, numbered after its tokens
+        once they are all out, or ``payload`` whole.
 
         TorchServe 0.12 in async mode drops a request from its frontend's job table only on a
         reply marked as the end of a stream; a plain 200 stays there for ever, holding its
@@ -176,7 +187,10 @@ class _Reply:
         the final reply is empty. Not an error: the frontend closes the client's connection
         after a streamed head with a status >= 400.
         """
-        if self.streaming or self.code >= 400:
+        if self._stream is not None:
+            return self._stream.end(payload)
+        body = json.dumps(payload)
+        if self.code >= 400:
             return body
         self._send(body)
         return ""
@@ -185,7 +199,6 @@ class _Reply:
         send_intermediate_predict_response(
             [chunk], self.context.request_ids, "Intermediate response", 200, self.context
         )
-        self.streaming = True
 
 
 def _metrics_never_fail(emit: Callable[[], None]) -> None:

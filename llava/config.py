@@ -20,6 +20,8 @@ from typing import Any
 GiB = 1024**3
 # the values of ``attention`` (llava.exec.runner.Runner)
 ATTENTION = ("auto", "flex", "triton", "sdpa")
+# the values of ``prefix_sharing`` (llava.sched.work.RequestContext.prefix_keys)
+PREFIX_SHARING = ("opening", "all", "off")
 ENV_PREFIX = "LLAVA_"
 ARCHIVED = "model-config.yaml handler."  # how an archived setting is named in messages
 logger = logging.getLogger(__name__)
@@ -86,9 +88,10 @@ class EngineConfig:
     # Every session's system prompt unless its open sends its own "system" (docs/wire.md).
     system_prompt: str = ""
     max_system_chars: int = 8000
-    # Sessions reuse the KV blocks and image features other sessions computed for the same
-    # prompt prefix and image (docs/engine/memory.md §Shared prefixes).
-    share_prefixes: bool = True
+    # What sessions reuse of the KV blocks and image features others computed
+    # (docs/engine/memory.md §Shared prefixes): "opening" (the image and the operator's
+    # system_prompt, never a caller's text), "all" (every block: one trusted caller), "off".
+    prefix_sharing: str = "opening"
     # Every turn ends by then (stop_reason "deadline"): below SageMaker's 60 s invocation limit.
     turn_deadline_s: float = 50.0
     # Admission limits (docs/security.md §Admission limits). Sessions held at once: one more
@@ -98,7 +101,9 @@ class EngineConfig:
     # would pass it is refused (CONVERSATION_TOO_LONG); the context length bounds it too.
     max_session_tokens: int = 8192
     # Asks of one session waiting behind the one in flight; one more is refused (SESSION_BUSY).
-    max_waiting_asks: int = 0
+    # One, so that the ask a caller sends right after hanging up on a stream waits for the
+    # stopped turn to end instead of racing its CANCEL_TURN.
+    max_waiting_asks: int = 1
     # Requests a worker serves at once; one more is refused before it takes a thread
     # (503 OVERLOADED with Retry-After).
     max_requests_in_flight: int = 64
@@ -208,7 +213,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_question_chars": (_positive_int, "an integer > 0"),
     "system_prompt": (lambda v: isinstance(v, str), "a string (empty: no system prompt)"),
     "max_system_chars": (_positive_int, "an integer > 0"),
-    "share_prefixes": (lambda v: isinstance(v, bool), "true or false"),
+    "prefix_sharing": _one_of(*PREFIX_SHARING),
     "turn_deadline_s": (
         lambda v: _number(v) and 0 < v < 60,
         "a number of seconds > 0 and < 60 (SageMaker's invocation limit)",

@@ -26,21 +26,37 @@ from llava.errors import InvalidRequest, echo
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 from llava.kv.budget import memory_budget
 from llava.kv.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
+from llava.kv.prefix import scoped
 from llava.model.imageprep import content_key
 from llava.model.loading import LoadedModel, load_model
 from llava.model.vision import image_features, largest_side, vision_inputs
+from llava.model.weights_digest import weights_digest
 from llava.sampling.logits_mask import banned_token_ids
 from llava.sampling.params import GenerationParams
 from llava.sampling.sampler import Sampler
 from llava.sched.loop import EngineLoop
 from llava.sched.scheduler import Scheduler
 from llava.sched.work import Answer, Opened, OpenRequest, RequestContext, TurnRequest
-from llava.sessions.persist import model_identity, open_journal, persistence
-from llava.sessions.session import Session
-from llava.sessions.store import EXPIRED, SessionStore, StoreCounters
+from llava.sessions.persist import Location, model_identity, open_journal, persistence
+from llava.sessions.session import Session, Sharing
+from llava.sessions.store import EXPIRED, SessionStore, StoreCounters, full_session_id
 
 __all__ = ["Answer", "Engine", "EngineStats", "Opened"]
 logger = logging.getLogger(__name__)
+
+
+def kept_weights_digest(loaded: LoadedModel, location: Location | None) -> str | None:
+    """The digest of the weights' values that names the sessions the persistent tier keeps,
+    recorded in its directory (None: the tier is off, nothing outlives the process)."""
+    if location is None:
+        return None
+    if loaded.model_dir is None:
+        problem = "needs a model loaded from a directory: its weights' digest names the sessions"
+        raise SettingsError("persist_dir", problem)
+    try:
+        return weights_digest(loaded.model_dir, location.directory)
+    except FileNotFoundError as e:
+        raise SettingsError("persist_dir", str(e)) from None
 
 
 def feature_salt(model_identity: str, loaded: LoadedModel) -> bytes:
@@ -92,10 +108,17 @@ class Engine:
         self.memory = MemoryManager.for_model(
             loaded.model.config.text_config, budget, loaded.device, loaded.dtype
         )
-        identity = model_identity(loaded.model, loaded.dtype)
-        self.journal = open_journal(persistence(config), identity)
+        location = persistence(config)
+        identity = model_identity(loaded.model, loaded.dtype, kept_weights_digest(loaded, location))
+        vocab_size = loaded.model.config.text_config.vocab_size
+        self.journal = open_journal(location, identity, vocab_size, config.session_ttl_s)
         self.store = SessionStore(
-            self.memory, ttl_s=config.session_ttl_s, clock=clock, journal=self.journal
+            self.memory,
+            ttl_s=config.session_ttl_s,
+            clock=clock,
+            journal=self.journal,
+            max_sessions=config.max_sessions,
+            max_waiting_asks=config.max_waiting_asks,
         )
         self.context = RequestContext(
             store=self.store,
@@ -109,8 +132,9 @@ class Engine:
             ),
             image_token_id=loaded.model.config.image_token_id,
             max_positions=loaded.max_positions,
+            max_session_tokens=config.max_session_tokens,
             journal=self.journal,
-            share_prefixes=config.share_prefixes,
+            prefix_sharing=config.prefix_sharing,
         )
         # what changes an image's features besides its pixels: the model and preprocessing
         self._features_salt = feature_salt(identity, loaded)
@@ -191,10 +215,11 @@ class Engine:
             self.store.refuse_entry(session_id, EXPIRED)
         for entry in loaded.live:
             snapshot = entry.snapshot
-            key = snapshot.image_key
-            shared = bytes.fromhex(key) if key and self.config.share_prefixes else None
+            key = snapshot.image_key  # already salted with its tenant
+            shared = bytes.fromhex(key) if key and self.config.prefix_sharing != "off" else None
             holding = self.memory.hold_parked(entry.features_shape, shared)
-            session = Session(snapshot.session_id, snapshot.token_ids, holding)
+            sharing = Sharing(snapshot.tenant, snapshot.opening_tokens)
+            session = Session(snapshot.session_id, snapshot.token_ids, holding, sharing=sharing)
             session.messages, session.turns = snapshot.messages, snapshot.turns
             self.store.restore(session, idle_s=max(0.0, now - snapshot.last_used_wall))
         if loaded.live:
@@ -207,34 +232,65 @@ class Engine:
         image: Image.Image | None = None,
         session_id: str | None = None,
         system: str | None = None,
+        tenant: str | None = None,
     ) -> Opened:
         """Run the vision tower once and prefill the opening; the session starts hot. What
         another session already computed for the same image and prompt prefix is reused
-        instead (``share_prefixes``; ``Opened.cached_tokens`` says how much).
+        instead, as far as ``prefix_sharing`` allows (``Opened.cached_tokens`` says how much).
 
-        ``session_id``: the caller's own id for the session (checked before any model work);
-        by default the server picks an unguessable one. ``system``: the session's system
-        prompt (None: the ``system_prompt`` setting; "": none).
+        ``session_id``: the caller's own id for the session (checked before any model work),
+        with a random part added when it counts under 128 bits (``full_session_id``: read
+        ``Opened.session_id``); by default the server picks an unguessable one. ``system``:
+        the session's system prompt (None: the ``system_prompt`` setting; "": none).
+        ``tenant``: sessions of different tenants share nothing (None: shares with the other
+        sessions without one).
         """
+        callers_system = bool(system)  # None is the operator's system_prompt, "" none at all
         system = self._check_system(system)
-        if session_id is not None:
-            self.store.check_id_free(session_id)
+        _check_tenant(tenant)
+        session_id = full_session_id(session_id)
+        self.store.check_id_free(session_id)
         pixels = key = None
         if image is not None:
-            key = self.image_key(image) if self.config.share_prefixes else None
+            key = self.shared_image_key(image, tenant)
             if key is not None and self.memory.holds_image(key):
                 # no vision tower to feed, unless its features go before the loop admits it
                 pixels = functools.partial(self._pixels, image)
             else:
                 pixels = self._pixels(image)
         request = OpenRequest(
-            self.context, self.config.turn_deadline_s, pixels, session_id, key, system
+            self.context,
+            self.config.turn_deadline_s,
+            pixels,
+            session_id,
+            key,
+            system,
+            callers_system,
+            tenant,
         )
-        return self.loop.submit(request)
+        with self.store.opening():
+            return self.loop.submit(request)
+
+    @property
+    def on_fatal(self) -> Callable[[BaseException], None] | None:
+        """Called once, from the loop thread, when this engine's device is lost (a CUDA error:
+        llava.sched.loop.device_lost); by then every request failed and the loop stopped."""
+        return self.loop.on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, hook: Callable[[BaseException], None] | None) -> None:
+        self.loop.on_fatal = hook
 
     def image_key(self, image: Image.Image) -> bytes:
         """The image's content key: equal keys mean equal features (llava.model.imageprep)."""
         return content_key(image, self._features_salt)
+
+    def shared_image_key(self, image: Image.Image, tenant: str | None) -> bytes | None:
+        """The key ``tenant``'s sessions share the image's features and prefix under (None:
+        ``prefix_sharing`` is off)."""
+        if self.config.prefix_sharing == "off":
+            return None
+        return scoped(self.image_key(image), tenant)
 
     def ask(
         self,
@@ -246,7 +302,8 @@ class Engine:
         cancelled: Callable[[], bool] | None = None,
         rewind_turns: int = 0,
     ) -> Answer:
-        """Answer ``question`` in the session; turns of one session run in arrival order.
+        """Answer ``question`` in the session; turns of one session run in arrival order, and
+        past ``max_waiting_asks`` behind the one in flight an ask is refused (SessionBusy).
 
         ``on_token(text, token_id)`` is called from the loop thread for every generated id as
         it is generated, with the text it adds (empty for special ids or a partial character);
@@ -276,7 +333,8 @@ class Engine:
             cancelled,
             rewind_turns,
         )
-        return self.loop.submit(request)
+        with self.store.asking(session_id):
+            return self.loop.submit(request)
 
     def close(self, session_id: str) -> str | None:
         """None if this closed it; else why it was already gone (see SessionStore.close)."""
@@ -327,6 +385,7 @@ class Engine:
             raise InvalidRequest(
                 "this model's chat template has no system role: leave out 'system'"
             )
+        self._check_tokenizes(system, "'system'")
         return system
 
     def _check_question(self, question) -> str:
@@ -337,7 +396,23 @@ class Engine:
                 f"the question has {len(question)} characters; the limit is "
                 f"{self.config.max_question_chars}"
             )
+        self._check_tokenizes(question, "'inputs'")
         return question.strip()
+
+    def _check_tokenizes(self, text: str, field: str) -> None:
+        """Text the tokenizer refuses (a lone surrogate, which is not UTF-8) is the caller's
+        error, found here: met in the loop it would count as the shard failing (llava.shards)."""
+        try:
+            self.loaded.tokenizer(text, add_special_tokens=False)
+        except Exception as error:
+            raise InvalidRequest(
+                f"{field} cannot be tokenized ({type(error).__name__}): send it as UTF-8 text"
+            ) from None
+
+
+def _check_tenant(tenant) -> None:
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise InvalidRequest(f"'tenant' must be a non-empty string or None, got {echo(tenant)}")
 
 
 def _check_rewind(turns) -> None:

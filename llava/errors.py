@@ -1,9 +1,13 @@
-"""Typed engine errors.
+"""Typed engine errors, and what of a caller's input a message or a log line may show.
 
 Every failure the engine reports to a caller is one of these. Each carries a stable
 machine-readable ``code``; the HTTP status it maps to is decided in one table in the
 handler (``handlers/errors.py``), never here, so the engine stays transport-agnostic.
 """
+
+import hashlib
+import hmac
+import secrets
 
 
 class EngineError(Exception):
@@ -128,3 +132,14 @@ def echo(value: object, limit: int = ECHO_CHARS) -> str:
 def clip(text: str, limit: int = ECHO_CHARS) -> str:
     """``text`` (a message that may hold an input) cut to ``limit`` characters, length said."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+# Keys the log tags of session ids: random per process, so a tag cannot be reversed by trying
+# ids, and the logs of two processes cannot be joined on it.
+_LOG_KEY = secrets.token_bytes(32)
+
+
+def log_id(session_id: str) -> str:
+    """What a log line shows of a session id: the id is a bearer secret (docs/wire.md §Session
+    ids are bearer secrets), so a log names a session by a keyed hash of it (12 hex digits)."""
+    return hmac.new(_LOG_KEY, session_id.encode(), hashlib.sha256).hexdigest()[:12]

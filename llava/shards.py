@@ -5,7 +5,8 @@
 pool and memory manager. An open is placed on the shard with the most free device memory
 (ties: the fewest requests in flight); every later call of that session goes to its shard
 by id. A shard's failure fails only the requests it runs, as ``ShardFailed``
-(docs/engine/scheduling.md §Engine shards).
+(docs/engine/scheduling.md §Engine shards). A shard whose device is lost, or every shard
+failing at once, is fatal to the whole engine: ``on_fatal`` is told, once.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from llava.kv.memory import IntegrityError, session_feature_bytes, session_kv_by
 from llava.model.loading import load_model, shard_devices
 from llava.model.vision import most_image_tokens
 from llava.sessions.persist import persistence
-from llava.sessions.store import new_session_id
+from llava.sessions.store import full_session_id
 
 __all__ = ["ShardStats", "ShardedEngine"]
 
@@ -88,6 +89,12 @@ class ShardedEngine:
         self._opening: dict[str, int] = {}  # session id → shard, for the opens in flight
         self._in_flight = [0] * len(engines)
         self._failures = [0] * len(engines)  # requests failed in a row, per shard
+        # Told once, with the error, when this engine can serve nothing more (a shard's device
+        # lost, or no shard ready): its owner ends the process so it restarts (handlers/).
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._fatal_told = False
+        for engine in engines:
+            engine.on_fatal = self._fatal
         # The cost of one open in flight: what the latest open came to hold (at first, what
         # an open with an image reserves).
         self._open_bytes = image_open_bytes(engines[0])
@@ -133,22 +140,27 @@ class ShardedEngine:
         return time.perf_counter() - start
 
     # -- the operations --------------------------------------------------------------------
-    def open(self, image=None, session_id: str | None = None, system: str | None = None) -> Opened:
-        """Open on the placed shard. The id (the caller's, or a new one) is bound to that
-        shard before any model work, so an id is unique across the shards."""
-        holder = self._holder_of(image)
+    def open(
+        self,
+        image=None,
+        session_id: str | None = None,
+        system: str | None = None,
+        tenant: str | None = None,
+    ) -> Opened:
+        """Open on the placed shard. The id (``full_session_id``: the caller's, perhaps with a
+        random part, or a new one) is bound to that shard before any model work, so an id is
+        unique across the shards."""
+        holder = self._holder_of(image, tenant)
+        session_id = full_session_id(session_id)
         with self._lock:
-            if session_id is None:
-                session_id = new_session_id()
-            else:
-                self._check_id_free(session_id)
+            self._check_id_free(session_id)
             index = self._place(holder)
             self._home[session_id] = index
             self._opening[session_id] = index
         engine = self.shards[index]
         try:
             with self._running(index):
-                opened = self._call(index, engine.open, image, session_id, system)
+                opened = self._call(index, engine.open, image, session_id, system, tenant)
             self._learn_open_bytes(engine, session_id)
             return opened
         except BaseException:
@@ -245,12 +257,12 @@ class ShardedEngine:
     def _ready(self, index: int) -> bool:
         return self.shards[index].loop.alive and self._failures[index] < FAILURES_UNTIL_UNREADY
 
-    def _holder_of(self, image) -> int | None:
-        """The shard that holds this image's features already (sessions share an image's
-        features and prefix within a shard only), if any."""
-        if image is None or not self.shards[0].config.share_prefixes:
+    def _holder_of(self, image, tenant: str | None) -> int | None:
+        """The shard that holds this image's features already for ``tenant`` (sessions share
+        an image's features and prefix within a shard and a tenant only), if any."""
+        key = None if image is None else self.shards[0].shared_image_key(image, tenant)
+        if key is None:
             return None
-        key = self.shards[0].image_key(image)
         return next((i for i, e in enumerate(self.shards) if e.memory.holds_image(key)), None)
 
     def _place(self, holder: int | None = None) -> int:
@@ -299,15 +311,24 @@ class ShardedEngine:
         and counts against the shard's readiness."""
         try:
             result = self._shard_call(index, method, *args, **kwargs)
-        except ShardFailed:
+        except ShardFailed as failed:
             with self._lock:
                 self._failures[index] += 1
+                none_ready = not any(self._ready(i) for i in range(len(self.shards)))
+            if none_ready:  # nothing left to place a session on: the worker answers nothing
+                self._fatal(failed)
             raise
         except EngineError:  # the request's own fault: the shard served it
             self._count_success(index)
             raise
         self._count_success(index)
         return result
+
+    def _fatal(self, error: BaseException) -> None:
+        with self._lock:
+            told, self._fatal_told = self._fatal_told, True
+        if not told and self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _count_success(self, index: int) -> None:
         with self._lock:

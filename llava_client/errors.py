@@ -41,6 +41,17 @@ class SessionGone(LlavaError):
     history: tuple = ()
 
 
+class StreamGap(LlavaError):
+    """Lines of a streamed answer were lost on the way; the text yielded stopped at the gap.
+
+    The turn itself completed and the session holds it; ``text`` is the whole answer, from
+    the stream's final reply."""
+
+    def __init__(self, message: str, text: str):
+        super().__init__("STREAM_GAP", message)
+        self.text = text
+
+
 def from_client_error(err: ClientError, with_session: bool) -> LlavaError:
     """Translate botocore's error; ``with_session``: the call named an existing session id."""
     response = err.response

@@ -1,7 +1,7 @@
 """SageMaker's request size cap, checked before a request is sent.
 
-InvokeEndpoint's ``Body`` is at most 6 MB (6,291,456 bytes: botocore's sagemaker-runtime model,
-``BodyBlob`` ``max``); SageMaker refuses a larger one with a ``ValidationError``. An inline image
+InvokeEndpoint's ``Body`` is at most 6 MB (``llava_wire.MAX_REQUEST_BYTES``); SageMaker refuses
+a larger one with a ``ValidationError``. An inline image
 travels as base64 (4/3 of its size), so images over ~4.5 MB must go by URL or s3:// instead.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 
 from llava_client.errors import LlavaError
-
-MAX_REQUEST_BYTES = 6 * 1024 * 1024
+from llava_wire import MAX_REQUEST_BYTES
 
 
 def request_body(body: dict) -> bytes:

@@ -7,7 +7,8 @@
             print(text, end="")
 
 The session id is the one the endpoint issues (``NewSessionId``), or the caller's own
-(``client.open(image, session_id="ticket-4711")``); ``client.attach(id)`` continues a session
+(``client.open(image, session_id="ticket-4711")``, with a random part the server adds to an
+id under 128 bits: use ``Session.id``); ``client.attach(id)`` continues a session
 another process opened. A 503 that says when to retry (the container's ``KV_MEMORY_FULL``, with
 ``Retry-After``; ``NOT_READY`` while its worker restarts) is sent again after that wait, with
 jitter, at most ``busy_retries`` times (0: never); a turn whose worker died under it
@@ -32,10 +33,17 @@ from typing import Any, TypeVar
 import boto3
 from botocore.exceptions import ClientError
 
-from llava_client.errors import LlavaError, SessionGone, from_client_error, from_stream_error
+from llava_client.errors import (
+    LlavaError,
+    SessionGone,
+    StreamGap,
+    from_client_error,
+    from_stream_error,
+)
 from llava_client.images import image_source
 from llava_client.jsonlines import JsonLines
 from llava_client.limits import request_body
+from llava_client.stream_order import stream_gap
 from llava_wire import CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_CLOSED, TURN_INTERRUPTED
 
 logger = logging.getLogger(__name__)
@@ -91,16 +99,26 @@ class LlavaClient:
         self.busy_retried = 0  # calls sent again after a 503 with Retry-After, in all
 
     def open(
-        self, image: Any = None, session_id: str | None = None, system: str | None = None
+        self,
+        image: Any = None,
+        session_id: str | None = None,
+        system: str | None = None,
+        tenant: str | None = None,
     ) -> Session:
         """Open a session on ``image`` (URL, ``s3://`` URI, bytes, file path, PIL image, None).
 
         ``session_id``: your own id for it (SageMaker's pattern, at most 256 characters); the
-        server refuses one that is live or was used recently. By default the server picks one.
+        server refuses one that is live or was used recently, and adds "-" and a random part to
+        one under 128 bits (the session's ``id`` is the full one; docs/wire.md §Session ids are
+        bearer secrets). By default the server picks one.
         ``system``: the session's system prompt (by default the server's ``system_prompt``).
+        ``tenant``: the backend's tenant key, sent as ``tenant=<key>`` in SageMaker's custom
+        attributes: sessions of different tenants share nothing (docs/security.md §What
+        sessions share).
         """
         source = image_source(image)
-        return Session(self, *self._open(source, session_id, system), source, system)
+        opened = self._open(source, session_id, system, tenant)
+        return Session(self, *opened, source, system, tenant=tenant)
 
     def attach(self, session_id: str, expires_at: str | None = None) -> Session:
         """The session ``session_id``, opened by another process (another web worker of the
@@ -110,14 +128,19 @@ class LlavaClient:
         return Session(self, session_id, expires_at, image=None, attached=True)
 
     def _open(
-        self, source: dict | None, session_id: str | None = None, system: str | None = None
+        self,
+        source: dict | None,
+        session_id: str | None = None,
+        system: str | None = None,
+        tenant: str | None = None,
     ) -> tuple[str, str]:
         body = {"requestType": NEW_SESSION} | ({"image": source} if source else {})
         if session_id is not None:
             body["extSessionID"] = session_id
         if system is not None:
             body["system"] = system
-        reply = self._invoke(body, NEW_SESSION)
+        attributes = {} if tenant is None else {"CustomAttributes": f"tenant={tenant}"}
+        reply = self._invoke(body, NEW_SESSION, **attributes)
         announced = reply.get("NewSessionId")
         if not announced:
             raise LlavaError(
@@ -126,7 +149,7 @@ class LlavaClient:
         session_id, _, expires = announced.partition(";")
         return session_id.strip(), expires.strip().removeprefix("Expires=")
 
-    def _invoke(self, body: dict, session_id: str) -> dict:
+    def _invoke(self, body: dict, session_id: str, **options: str) -> dict:
         payload = request_body(body)  # too large for SageMaker: refused before any call
         return self._retrying_busy(
             lambda: self.runtime.invoke_endpoint(
@@ -135,6 +158,7 @@ class LlavaClient:
                 ContentType="application/json",
                 Accept="application/json",
                 Body=payload,
+                **options,
             ),
             with_session=session_id != NEW_SESSION,
         )
@@ -185,6 +209,7 @@ class Session:
         image: dict | None,
         system: str | None = None,
         attached: bool = False,
+        tenant: str | None = None,
     ):
         self.client = client
         self.id = session_id
@@ -195,7 +220,7 @@ class Session:
         self.recoveries = 0
         self.replay_mismatches = 0
         self.closed = False
-        self._image, self._system = image, system  # kept to re-open on recovery
+        self._image, self._system, self._tenant = image, system, tenant  # to re-open on recovery
         self._attached = attached  # opened elsewhere: its image is its opener's, never replayed
 
     def ask(self, question: str, *, rewind_turns: int = 0, **parameters) -> Answer:
@@ -220,26 +245,34 @@ class Session:
         return self.ask(question, rewind_turns=1, **parameters)
 
     def ask_stream(self, question: str, *, rewind_turns: int = 0, **parameters) -> Iterator[str]:
-        """Ask and yield the answer's text as it arrives (InvokeEndpointWithResponseStream)."""
+        """Ask and yield the answer's text as it arrives (InvokeEndpointWithResponseStream).
+
+        Lines lost on the way (their numbers skip) raise ``StreamGap`` once the stream ends:
+        nothing after the gap is yielded, and the error carries the whole answer, which the
+        session holds like any other."""
         body = _ask_body(question, parameters, rewind_turns) | {"stream": True}
         events = self._recovering(lambda: self.client._stream(body, self._live_id()))
-        lines, final = JsonLines(), None
+        lines, final, received, gap = JsonLines(), None, 0, None
         try:
             for event in events:
                 for line in lines.feed(event.get("PayloadPart", {}).get("Bytes", b"")):
                     if "error" in line:
                         raise from_stream_error(line)
-                    if "token" in line:
-                        if line["token"]["text"]:
-                            yield line["token"]["text"]
-                    else:
+                    gap = gap or stream_gap(line, received)
+                    received += 1
+                    if "token" not in line:
                         final = line
+                    elif line["token"]["text"] and gap is None:
+                        yield line["token"]["text"]
         except ClientError as err:  # a ModelStreamError event: the stream broke midway
             raise from_client_error(err, with_session=True) from err
         lines.close()
         if final is None:
             raise LlavaError("STREAM_INCOMPLETE", "the stream ended without the final reply")
-        self._record(Turn(question, final["generation"]["text"], parameters), rewind_turns, final)
+        text = final["generation"]["text"]
+        self._record(Turn(question, text, parameters), rewind_turns, final)
+        if gap is not None:
+            raise StreamGap(f"{gap}; the text yielded stops there, this error's is whole", text)
 
     def close(self) -> None:
         """End the session and free its memory on the server; closing twice is fine."""
@@ -303,7 +336,9 @@ class Session:
         return lost
 
     def _reopen(self) -> None:
-        self.id, self.expires_at = self.client._open(self._image, system=self._system)
+        self.id, self.expires_at = self.client._open(
+            self._image, system=self._system, tenant=self._tenant
+        )
         replayed = []
         for turn in self.history:
             answer = self._ask_once(turn.question, turn.parameters)

@@ -12,6 +12,13 @@ tests/unit/test_wire_names.py checks that each of them is named here.
 SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+# SageMaker passes it through to the container as sent; an open's "tenant=<key>" attribute scopes
+# what its session shares (docs/security.md §What sessions share).
+CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
+
+# SageMaker's cap on an InvokeEndpoint body: 6 MB (6,291,456 bytes, botocore's sagemaker-runtime
+# model, BodyBlob max); the client, the container front and the local endpoint all hold to it.
+MAX_REQUEST_BYTES = 6 * 1024 * 1024
 
 # The body's requestType. NEW_SESSION is also the session header's value that asks for a session.
 NEW_SESSION = "NEW_SESSION"
@@ -57,4 +64,7 @@ ERROR_CODES = SESSION_GONE_CODES | {
     "KV_MEMORY_FULL",
     "SESSION_BUSY",
     "OVERLOADED",
+    "NOT_FOUND",  # the container front: a path it does not serve
+    "METHOD_NOT_ALLOWED",
+    "REQUEST_TOO_LARGE",  # a body over MAX_REQUEST_BYTES
 }

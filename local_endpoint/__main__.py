@@ -4,9 +4,11 @@
         [--instance instance-1=DIR:INFERENCE:MANAGEMENT:METRICS ...]
         [--host 127.0.0.1] [--port 8090] [--name stateful-llava] [--part-bytes 0]
 
-A ``--backend`` is only forwarded to. An ``--instance`` (a READY TorchServe instance started
-by serving/torchserve.py from DIR on those ports) is also supervised: when its worker dies,
-the whole instance is restarted (serving/supervisor.py) and gets no requests until READY again.
+A ``--backend`` is only forwarded to, with no key: a container's front, say, not a TorchServe
+(which wants its key: docs/serving.md §TorchServe's keys). An ``--instance`` (a READY TorchServe
+instance started by serving/torchserve.py from DIR on those ports) is also supervised, and
+called with its key: when its worker dies, the whole instance is restarted
+(serving/supervisor.py) and gets no requests until READY again.
 ``make endpoint`` (local_endpoint/launcher.py) starts the instances and this in the background.
 """
 
@@ -51,7 +53,14 @@ def supervised(name: str, ts: TorchServeInstance) -> tuple[Backend, Supervisor]:
     # With the persistent tier, a restart keeps the sessions until the supervisor gives up;
     # without it, a worker's death loses them (the router's SESSION_LOST).
     keeps = (lambda: not supervisor.gave_up) if persistent else None
-    return Backend(name, ts.inference_url, ready=supervisor.ready, supervised=keeps), supervisor
+    backend = Backend(
+        name,
+        ts.inference_url,
+        ready=supervisor.ready,
+        supervised=keeps,
+        auth=lambda: ts.auth_headers("inference"),
+    )
+    return backend, supervisor
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,9 @@ class Backend:
     # sessions and all (False once it gave up). None: its sessions die with its worker.
     supervised: Callable[[], bool] | None = None
     placing: int = 0  # opens and stateless calls sent here and not answered yet
+    # The headers every call to it carries: a TorchServe instance's inference key
+    # (TorchServeInstance.auth_headers); none for a server that asks for none.
+    auth: Callable[[], dict[str, str]] = dict
 
     def coming_back(self) -> bool:
         """A supervised instance that is (or will be) serving again, with its sessions."""

@@ -38,10 +38,10 @@ from urllib.parse import unquote, urlsplit
 
 from handlers.errors import ErrorReply
 from llava.errors import clip, echo
-from llava_client.limits import MAX_REQUEST_BYTES
 from llava_wire import (
     CLOSE_SESSION,
     CLOSED_SESSION_HEADER,
+    MAX_REQUEST_BYTES,
     NEW_SESSION,
     NEW_SESSION_HEADER,
     SESSION_HEADER,
@@ -287,7 +287,7 @@ class _Handler(BaseHTTPRequestHandler):
         conn = http.client.HTTPConnection(target.hostname, target.port, self.server.timeout_s)
         headers = {name: self.headers[name] for name in FORWARDED if name in self.headers}
         try:
-            conn.request("POST", "/invocations", body=body, headers=headers)
+            conn.request("POST", "/invocations", body=body, headers={**headers, **backend.auth()})
             return conn.getresponse()
         except (ConnectionError, http.client.HTTPException) as err:
             conn.close()
@@ -328,7 +328,8 @@ class _Handler(BaseHTTPRequestHandler):
             write_chunk(self.wfile, b"")
         except CallerGone:
             target, session_id = urlsplit(backend.url), self.headers.get(SESSION_HEADER)
-            cancel_turn(target.hostname, target.port, session_id, self.server.timeout_s)
+            timeout_s = self.server.timeout_s
+            cancel_turn(target.hostname, target.port, session_id, timeout_s, backend.auth())
             self.close_connection = True
 
     def _reject(self, rejected: Rejected) -> None:

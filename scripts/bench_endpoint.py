@@ -49,10 +49,12 @@ RUN_BOUND_S = 300  # a load run that takes longer is a failure, not a number
 
 
 class RawSession:
-    """Open and ask over plain HTTP at ``url`` (TorchServe's or the endpoint's invocations)."""
+    """Open and ask over plain HTTP at ``url`` (TorchServe's, with ``auth``, its key header,
+    or the endpoint's invocations)."""
 
-    def __init__(self, url: str, image_b64: str):
+    def __init__(self, url: str, image_b64: str, auth: dict[str, str] | None = None):
         self.url, self.http = url, requests.Session()
+        self.http.headers.update(auth or {})
         opened = self.post({"requestType": NEW_SESSION, "image": {"b64": image_b64}}, NEW_SESSION)
         value = opened.headers.get(NEW_SESSION_HEADER) or opened.headers[SESSION_HEADER]
         self.session_id = value.split(";")[0]
@@ -156,7 +158,9 @@ def main() -> None:
         chat = LlavaClient(NAME, runtime=runtime).open(base64.b64decode(image_b64))
         paths = {
             "direct to TorchServe": RawSession(
-                f"{instance.inference_url}/invocations", image_b64
+                f"{instance.inference_url}/invocations",
+                image_b64,
+                instance.auth_headers("inference"),
             ).ask,
             "endpoint, plain HTTP": RawSession(
                 f"{endpoint.url}/endpoints/{NAME}/invocations", image_b64

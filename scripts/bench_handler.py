@@ -34,7 +34,9 @@ def through_torchserve(image_b64: str, turns: int) -> tuple[list[float], list[fl
     instance.start(timeout=180)
     ready_s = time.perf_counter() - start
     url = instance.inference_url + "/invocations"
-    post = requests.Session().post
+    http = requests.Session()
+    http.headers.update(instance.auth_headers("inference"))
+    post = http.post
     try:
         opened = post(
             url,

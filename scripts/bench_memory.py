@@ -45,10 +45,10 @@ QUESTION = "And its shape?"
 
 
 def unshared_config(**settings) -> EngineConfig:
-    """Every engine here shares nothing (share_prefixes off): a recompute computes the whole
+    """Every engine here shares nothing (prefix_sharing off): a recompute computes the whole
     history and each session holds its own image and prefix, as sessions on different images
     do (what sharing saves: scripts/bench_prefix.py)."""
-    return EngineConfig("-", max_question_chars=100_000, share_prefixes=False, **settings)
+    return EngineConfig("-", max_question_chars=100_000, prefix_sharing="off", **settings)
 
 
 DEADLINE_S = 59.0  # the longest turn_deadline_s allowed (SageMaker's 60 s limit)

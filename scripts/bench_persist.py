@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "models" / "demo-llava"
 MAR = REPO / "model-store" / "llava.mar"
 QUESTIONS = ["What shape is it?", "And its color?", "Say that again.", "What color is the shape?"]
-SEVEN_B = {"image_tokens": 576, "hidden": 4096, "bytes_per_element": 2}
+SEVEN_B = {"image_tokens": 576, "hidden": 4096, "bytes_per_element": 2, "vocab_size": 32064}
 
 
 def scratch_dir() -> str:
@@ -99,7 +99,7 @@ def seven_b_writes(repeats: int) -> tuple[int, int, float, float]:
     """A 7B session's features and state file bytes (576 image tokens and 100 of text), and
     the median ms to write an open's entry (both files) and a turn's (the state only)."""
     directory = scratch_dir()
-    journal = SessionJournal(directory, 1 << 40, "bench")
+    journal = SessionJournal(directory, 1 << 40, "bench", SEVEN_B["vocab_size"], 20 * 60.0)
     features = torch.randn(SEVEN_B["image_tokens"], SEVEN_B["hidden"]).to(torch.bfloat16)
     ids = [32000] * SEVEN_B["image_tokens"] + list(range(29000, 29100))
     opens, turns = [], []
@@ -141,16 +141,16 @@ def kill_to_answer(kills: int) -> list[float]:
             opened = requests.post(
                 f"{url}/invocations",
                 json={"requestType": "NEW_SESSION", "image": {"b64": b64}},
+                headers=instance.auth_headers("inference"),
                 timeout=60,
             ).json()["sessionId"]
             ask = {"requestType": "SESSION", "inputs": QUESTIONS[0]}
-            requests.post(
-                f"{url}/invocations", json=ask, headers={SESSION_HEADER: opened}, timeout=60
-            )
+            headers = {SESSION_HEADER: opened, **instance.auth_headers("inference")}
+            requests.post(f"{url}/invocations", json=ask, headers=headers, timeout=60)
             killed = time.monotonic()
             os.kill(instance.worker_pid(), signal.SIGKILL)
             while time.monotonic() - killed < 300:
-                if supervisor.ready() and answered(url, ask, opened):  # as the front forwards
+                if supervisor.ready() and answered(instance, ask, opened):  # as the front does
                     break
                 time.sleep(0.05)
             else:
@@ -164,10 +164,12 @@ def kill_to_answer(kills: int) -> list[float]:
     return seconds
 
 
-def answered(url: str, body: dict, session_id: str) -> bool:
+def answered(instance: TorchServeInstance, body: dict, session_id: str) -> bool:
+    """Whether the instance answers 200 (its key read anew: a restart makes new keys)."""
+    headers = {SESSION_HEADER: session_id, **instance.auth_headers("inference")}
     try:
         reply = requests.post(
-            f"{url}/invocations", json=body, headers={SESSION_HEADER: session_id}, timeout=60
+            f"{instance.inference_url}/invocations", json=body, headers=headers, timeout=60
         )
     except requests.RequestException:  # the instance being restarted under us
         return False

@@ -1,14 +1,15 @@
 """Shared prompt prefixes: what a session gains when another one already computed its start.
 
 1. Open latency under one system prompt: a cold open (an image no session has seen), the same
-   with ``share_prefixes`` off, and a held open (a second session on the image of a session
+   with ``prefix_sharing`` off, and a held open (a second session on the image of a session
    still open: its features and the full KV blocks of its opening are reused, the vision
    tower skipped). Target: held at least 10x faster than cold.
 2. Device bytes held by 32 sessions on one image against 32 sessions on 32 images, each
    having asked one short question, everything on the device. Target: ratio at most 0.4.
-3. Guard: one 10-turn session alone, its mean turn time with sharing off, on with nothing
-   to share (must be no slower than off), and on with the system prompt's blocks reused from
-   a closed session (its block table then starts on blocks not adjacent to its own).
+3. Guard: one 10-turn session alone, its mean turn time with sharing off, on ("opening", the
+   default) with nothing to share (must be no slower than off), and on with the system
+   prompt's blocks reused from a closed session (its block table then starts on blocks not
+   adjacent to its own).
 
 Runs on the untrained "realistic-shape" model (576 image tokens), built into build/ if missing.
 """
@@ -47,10 +48,10 @@ def noise_images(n: int, seed: int, side: int = 336) -> list[Image.Image]:
     return [Image.frombytes("RGB", (side, side), rng.randbytes(side * side * 3)) for _ in range(n)]
 
 
-def new_engine(loaded, model_dir: Path, share: bool, first_open: bool = True) -> Engine:
+def new_engine(loaded, model_dir: Path, sharing: str, first_open: bool = True) -> Engine:
     """Warmed up; ``first_open``: one open and close too, uncounted (its blocks, the system
     prompt's among them, stay published for later sessions to reuse)."""
-    config = EngineConfig(str(model_dir), system_prompt=SYSTEM, share_prefixes=share)
+    config = EngineConfig(str(model_dir), system_prompt=SYSTEM, prefix_sharing=sharing)
     engine = Engine(loaded, config, MemoryBudget(2 << 30))
     engine.warm_up()
     if first_open:
@@ -111,7 +112,7 @@ def bytes_table(loaded, model_dir: Path, sessions: int) -> None:
         ("one image", [image] * sessions),
         (f"{sessions} images", noise_images(sessions, seed=4)),
     ):
-        engine = new_engine(loaded, model_dir, share=True)  # fresh: no blocks left from before
+        engine = new_engine(loaded, model_dir, "opening")  # fresh: no blocks left from before
         held[name] = held_bytes(engine, images)
         engine.stop()
     many = held[f"{sessions} images"][0]
@@ -131,9 +132,9 @@ def bytes_table(loaded, model_dir: Path, sessions: int) -> None:
 def turn_table(loaded, model_dir: Path, turns: int) -> None:
     """One session per engine, their turns interleaved so drift on the machine hits all."""
     engines = {
-        "on, nothing to share": new_engine(loaded, model_dir, share=True, first_open=False),
-        "on, system prompt shared": new_engine(loaded, model_dir, share=True),
-        "off": new_engine(loaded, model_dir, share=False),
+        "opening, nothing to share": new_engine(loaded, model_dir, "opening", first_open=False),
+        "opening, system prompt shared": new_engine(loaded, model_dir, "opening"),
+        "off": new_engine(loaded, model_dir, "off"),
     }
     image = noise_images(1, seed=5)[0]
     opened = {name: engine.open(image) for name, engine in engines.items()}
@@ -147,7 +148,7 @@ def turn_table(loaded, model_dir: Path, turns: int) -> None:
         engine.stop()
     off = statistics.mean(seconds["off"])
     print(f"\n3. guard: one session alone, {turns} turns of 8 new tokens\n")
-    print("| share_prefixes | cached_tokens at open | mean turn s | vs off |")
+    print("| prefix_sharing | cached_tokens at open | mean turn s | vs off |")
     print("| --- | ---: | ---: | ---: |")
     for name, seen in seconds.items():
         mean = statistics.mean(seen)
@@ -169,7 +170,7 @@ def main() -> None:
         f"model {args.model_dir.name}: {params / 1e6:.1f} M parameters, torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, {loaded.device}"
     )
-    shared, unshared = (new_engine(loaded, args.model_dir, share=on) for on in (True, False))
+    shared, unshared = (new_engine(loaded, args.model_dir, on) for on in ("opening", "off"))
     open_table(shared, unshared, args.runs)
     shared.stop()
     unshared.stop()

@@ -46,13 +46,16 @@ def serve_directory(directory: Path) -> ThreadingHTTPServer:
     return httpd
 
 
-def invoke(base: str, body: dict, session_id: str) -> tuple[requests.Response, float]:
+def invoke(
+    instance: TorchServeInstance, body: dict, session_id: str
+) -> tuple[requests.Response, float]:
+    headers = {"Content-Type": "application/json", SESSION_HEADER: session_id}
     start = time.perf_counter()
     reply = requests.post(
-        f"{base}/invocations",
+        f"{instance.inference_url}/invocations",
         data=json.dumps(body),
         timeout=60,
-        headers={"Content-Type": "application/json", SESSION_HEADER: session_id},
+        headers={**headers, **instance.auth_headers("inference")},
     )
     elapsed_ms = (time.perf_counter() - start) * 1000
     if reply.status_code != 200:
@@ -60,7 +63,7 @@ def invoke(base: str, body: dict, session_id: str) -> tuple[requests.Response, f
     return reply, elapsed_ms
 
 
-def chat(base: str, image_url: str, truth) -> bool:
+def chat(base: TorchServeInstance, image_url: str, truth) -> bool:
     reply, ms = invoke(base, {"requestType": NEW_SESSION, "image": {"url": image_url}}, NEW_SESSION)
     opened = reply.json()
     session_id = opened["sessionId"]
@@ -108,7 +111,7 @@ def main() -> int:
             f"(a {sample.color} {sample.shape})"
         )
         try:
-            ok = chat(instance.inference_url, image_url, sample)
+            ok = chat(instance, image_url, sample)
         finally:
             instance.stop()
             httpd.shutdown()

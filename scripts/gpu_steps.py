@@ -237,10 +237,10 @@ def served_7b(plan: Plan, figures: Figures):
     figures["build_s"] = round(time.perf_counter() - start, 1)
     # Nothing shared: the stateless and recompute baselines compute everything again.
     if plan.cuda:
-        config = EngineConfig(model_dir=str(FIXTURE), share_prefixes=False)
+        config = EngineConfig(model_dir=str(FIXTURE), prefix_sharing="off")
     else:
         config = EngineConfig(model_dir=str(FIXTURE), session_budget_bytes=256 * MiB,
-                              attention="flex", share_prefixes=False)  # fmt: skip
+                              attention="flex", prefix_sharing="off")  # fmt: skip
     budget = memory_budget(config, plan.device)
     engine = Engine(loaded, config, budget, max_batch=max(plan.sessions))
     figures["pool_gib"] = round(engine.memory.pool.allocated_bytes / GiB, 2)

@@ -4,6 +4,8 @@ no frontend: what the handler itself answers and costs, for benchmarks and tests
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import struct
@@ -17,7 +19,6 @@ from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
 from handlers.metrics import SessionMetrics
 from handlers.service import LlavaService
 from llava.engine import Engine
-from llava.intake import IntakePolicy
 from llava.shards import ShardedEngine
 
 # The metrics file a TorchServe 0.12 worker is started with.
@@ -35,8 +36,8 @@ class Reply:
 
 
 class InProcessWorker:
-    """One worker's LlavaService; ``invoke`` is one request of a batch of one. An ``Engine``
-    is served as the worker's one shard."""
+    """One worker's LlavaService, with its engine's settings; ``invoke`` is one request of a
+    batch of one. An ``Engine`` is served as the worker's one shard."""
 
     def __init__(self, engine: Engine | ShardedEngine, intake: dict | None = None):
         metrics = MetricsCacheYamlImpl(config_file_path=TS_METRICS_YAML)
@@ -45,19 +46,26 @@ class InProcessWorker:
         self.context.cl_socket = self.sent = _SentFrames()
         if isinstance(engine, Engine):
             engine = ShardedEngine([engine])
-        self.service = LlavaService(
-            engine, IntakePolicy.from_mapping(intake or {}), SessionMetrics(metrics)
-        )
+        config = engine.shards[0].config
+        if intake is not None:
+            config = dataclasses.replace(config, intake=intake)
+        self.service = LlavaService(engine, config, SessionMetrics(metrics))
+
+    def request_context(self, headers: dict[str, str] | None = None) -> Context:
+        """A context for one request, as TorchServe's async mode gives each its own copy."""
+        context = copy.copy(self.context)
+        context.request_processor = [RequestProcessor(headers or {})]
+        context.request_ids = {0: str(uuid.uuid4())}
+        return context
 
     def invoke(self, body, headers: dict[str, str] | None = None) -> Reply:
         """``body`` as TorchServe hands it over: parsed JSON (a JSON content type) or bytes."""
-        self.context.request_processor = [RequestProcessor(headers or {})]
-        self.context.request_ids = {0: str(uuid.uuid4())}
+        context = self.request_context(headers)
         self.sent.bodies.clear()
-        final = self.service.serve(0, body, self.context)
-        status, _phrase = self.context.get_response_status(0)
+        final = self.service.serve(0, body, context)
+        status, _phrase = context.get_response_status(0)
         text = b"".join(self.sent.bodies).decode() + final  # chunks (a 200's body), then final
-        return Reply(status, self.context.get_response_headers(0), text)
+        return Reply(status, context.get_response_headers(0), text)
 
     def stop(self) -> None:
         self.service.reaper.stop()

@@ -9,7 +9,7 @@ small session budget so that sessions are demoted and restored) and its own imag
 ``--seconds`` runs ``--sessions`` conversations that open, ask (plain and streamed, answers
 checked against what was drawn), idle past the TTL, close and reopen; faults on a schedule
 (SIGKILL of one instance's worker, an image URL whose headers come after 20 s, an image server
-that resets mid-body, a caller hanging up mid-stream, several 7000x7000 PNGs opened at once);
+that resets mid-body, a caller hanging up mid-stream, several 4000x4000 PNGs opened at once);
 and bad input at random moments (``BAD_INPUTS``). Against a real endpoint the images go inline
 and the faults that need the machine (kill, slow, reset, worker RSS) are left out.
 
@@ -333,15 +333,15 @@ class Faults:
             self.caller.close("fault:setup", session_id)
 
     def big_images(self) -> None:
-        """Several 7000x7000 PNGs (legal: 49 MP) opened at once, asked about, closed."""
+        """Several 4000x4000 PNGs (legal: 16 MP, the limit) opened at once, asked about, closed."""
         drawn = [draw_big(self.rng) for _ in range(3)]
         urls = [self.images.add(f"big-{self.rng.random()}", d.png) for d in drawn]
 
         def chat(d: Drawn, url: str) -> None:
-            session_id = self.caller.open("fault:7000x7000 PNG open", {"url": url})
+            session_id = self.caller.open("fault:4000x4000 PNG open", {"url": url})
             if session_id is not None:
                 self.caller.ask_checked(
-                    "fault:7000x7000 PNG ask", session_id, COLOR_QUESTION, d.color
+                    "fault:4000x4000 PNG ask", session_id, COLOR_QUESTION, d.color
                 )
                 self.caller.close("fault:setup", session_id)
 

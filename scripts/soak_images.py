@@ -119,10 +119,11 @@ class _ImageHandler(BaseHTTPRequestHandler):
 
 
 def draw_big(rng: random.Random) -> Drawn:
-    """A 7000x7000 PNG (under the 50 MP limit) of one large shape: small on the wire."""
+    """A 4000x4000 PNG (16 MP: at the intake.max_pixels limit) of one large shape: small on the
+    wire."""
     color = rng.choice(["red", "green", "blue", "yellow", "purple", "orange"])
-    canvas = Image.new("RGB", (7000, 7000), (250, 250, 250))
-    ImageDraw.Draw(canvas).ellipse((1400, 1500, 5400, 5500), fill=COLORS[color])
+    canvas = Image.new("RGB", (4000, 4000), (250, 250, 250))
+    ImageDraw.Draw(canvas).ellipse((800, 860, 3090, 3140), fill=COLORS[color])
     out = io.BytesIO()
     canvas.save(out, "PNG")
     return Drawn("circle", color, out.getvalue())

@@ -6,33 +6,41 @@ the first 200. So TorchServe listens on internal loopback ports and this server 
 public port:
 
 - ``GET /ping``: 200 only while ``ready()`` says a worker is READY, else 503.
-- anything else (``POST /invocations`` above all) is forwarded to TorchServe's inference API
-  unchanged, but only while ``ready()``: otherwise a 503 ``NOT_READY`` JSON error at once (a
-  request reaching a reloading async worker would crash-loop it: serving/supervisor.py).
+- ``POST /invocations`` is forwarded to TorchServe's inference API with TorchServe's key
+  (``upstream_auth``), but only while ``ready()``: otherwise a 503 ``NOT_READY`` JSON error at
+  once (a request reaching a reloading async worker would crash-loop it: serving/supervisor.py).
   A streamed reply (JSON lines) is relayed chunk by chunk as it arrives, so ``"stream": true``
   still streams through the front; any other reply is read whole and sent with a
   ``Content-Length`` (the async worker sends every 200 as a chunked body: handlers/service.py,
   ``_Reply.finish``).
+- nothing else is forwarded (``ROUTES``): another path is a 404, another method a 405.
+- a body over SageMaker's 6 MB cap is a 413 before the rest is read; a client that leaves a
+  read waiting ``CLIENT_TIMEOUT_S`` is disconnected; at most ``max_connections`` are served at
+  once (one more waits ``CONNECTION_WAIT_S``, then gets a 503 ``OVERLOADED``).
 - a client that hangs up mid-stream: TorchServe would never tell the worker, so the front sends
   ``{"requestType": "CANCEL_TURN"}`` for the session and its turn stops at the next step.
 - the worker dying under a request (TorchServe's 507, a dropped connection, a stream cut
   short): a 503 ``TURN_INTERRUPTED`` with ``Retry-After``, or a last ``{"error": ...}`` line
   in the stream (serving/interrupted.py); the session continues after the restart.
 
-Threads, not asyncio: a thread per connection is plenty for one worker's requests, and the
-stdlib keeps the container free of another web framework.
+Threads, not asyncio: a thread per connection, bounded, is plenty for one worker's requests,
+and the stdlib keeps the container free of another web framework.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
+import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
-from handlers.errors import ErrorReply
+from handlers.errors import ErrorReply, retry_reply
 from llava.errors import clip
-from llava_wire import NOT_READY, SESSION_HEADER
+from llava_wire import MAX_REQUEST_BYTES, NOT_READY, SESSION_HEADER
 from serving.interrupted import (
     WORKER_DIED_STATUS,
     StreamEnd,
@@ -59,27 +67,87 @@ HOP_BY_HOP = frozenset(
 )
 STREAM_TYPE = "application/jsonlines"
 CANCEL_TIMEOUT_S = 10.0
+# What the public port answers; anything else is refused here and never reaches TorchServe.
+# The OpenAI-compatible route goes here too when it comes: "/v1/chat/completions": {"POST"}.
+ROUTES = {"/ping": frozenset({"GET", "HEAD"}), "/invocations": frozenset({"POST"})}
+# SageMaker's cap on an InvokeEndpoint body (docs/deploy.md §SageMaker's request cap (6 MB)).
+MAX_BODY_BYTES = MAX_REQUEST_BYTES
+CLIENT_TIMEOUT_S = 60.0  # the longest a client may leave a read (a request, its body) waiting
+# Connections served at once (a thread each), and how long one more waits for a free slot
+# before it gets a 503 OVERLOADED: far above what SageMaker sends one instance's single worker.
+MAX_CONNECTIONS = 128
+CONNECTION_WAIT_S = 1.0
+MAX_CHUNK_LINE = 1024  # a chunk's size line, extensions included
+LINGER_S = 2.0  # how long what a refused client still sends is read and dropped before closing
+
+
+class Refused(Exception):
+    """A request the front answers itself, never forwarded."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
+        super().__init__(message)
+        payload = {"error": {"code": code, "message": message}}
+        self.reply = ErrorReply(status, payload, headers or {})
 
 
 class Front(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 64  # the kernel's backlog while every slot is taken
 
     def __init__(
         self,
         address: tuple[str, int],
         upstream: tuple[str, int],
         ready: Callable[[], bool],
+        upstream_auth: Callable[[], dict[str, str]] = dict,
         upstream_timeout_s: float = 600.0,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         super().__init__(address, _FrontHandler)
         self.upstream = upstream
         self.ready = ready
+        self.upstream_auth = upstream_auth  # TorchServe's Authorization header
         self.upstream_timeout_s = upstream_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address) -> None:
+        """A thread for the connection once a slot is free; after ``CONNECTION_WAIT_S``
+        without one, a 503 ``OVERLOADED`` from the accepting thread, and the connection closed."""
+        if self._slots.acquire(timeout=CONNECTION_WAIT_S):
+            super().process_request(request, client_address)
+        else:
+            _refuse_connection(request)
+            self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _refuse_connection(sock: socket.socket) -> None:
+    """Answer an over-the-bound connection without a thread. What of its request has arrived
+    is read first: closing on unread bytes would reset the connection before the reply."""
+    error = retry_reply(503, "OVERLOADED", "too many connections", 1.0)
+    body = json.dumps(error.payload).encode()
+    head = "".join(f"{name}: {value}\r\n" for name, value in error.headers.items())
+    try:
+        sock.settimeout(0.1)
+        sock.recv(65536)
+        sock.sendall(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n%s\r\n%s"
+            % (len(body), head.encode(), body)
+        )
+    except OSError:
+        pass
 
 
 class _FrontHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = CLIENT_TIMEOUT_S  # the socket's: a read that waits longer closes the connection
     server: Front
 
     def send_error(self, code, message=None, explain=None) -> None:
@@ -87,34 +155,66 @@ class _FrontHandler(BaseHTTPRequestHandler):
         input: bounded as every other message (llava.errors.clip)."""
         super().send_error(code, message and clip(message), explain)
 
-    def do_GET(self) -> None:
-        if self.path.split("?")[0] == "/ping":
-            self._ping()
-        else:
-            self._forward()
+    def _route(self) -> None:
+        """Every method comes here (see below the class): a route of ``ROUTES``, or a refusal."""
+        try:
+            if self._admit() == "/ping":
+                self._ping()
+            else:
+                self._forward(self._read_body())
+        except Refused as refused:
+            self._refuse(refused)
 
-    def do_HEAD(self) -> None:
-        self.do_GET()
+    def handle_expect_100(self) -> bool:
+        """A request to refuse is refused before its client sends the body (curl waits for
+        the 100 with bodies over 1 MB)."""
+        try:
+            self._admit()
+        except Refused as refused:
+            self._refuse(refused)
+            return False
+        return super().handle_expect_100()
 
-    def do_POST(self) -> None:
-        self._forward()
+    def _admit(self) -> str:
+        """The path, if the front serves this method there and the declared body fits."""
+        path = urlsplit(self.path).path
+        if path not in ROUTES:
+            raise Refused(404, "NOT_FOUND", f"no route {clip(path)!r}: POST /invocations")
+        if self.command not in ROUTES[path]:
+            allowed = ", ".join(sorted(ROUTES[path]))
+            raise Refused(405, "METHOD_NOT_ALLOWED", f"{path} takes {allowed}", {"Allow": allowed})
+        self._content_length()
+        return path
 
-    def do_PUT(self) -> None:
-        self._forward()
-
-    def do_DELETE(self) -> None:
-        self._forward()
+    def _refuse(self, refused: Refused) -> None:
+        """Reply, then read and drop what the client still sends, for a moment, before the
+        connection closes: closing on unread bytes resets it, and the client may lose the reply."""
+        reply = refused.reply
+        self._reply_json(reply.status, reply.payload, {**reply.headers, "Connection": "close"})
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + LINGER_S
+            while (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                if not self.connection.recv(65536):
+                    break
+        except OSError:
+            pass
 
     def _ping(self) -> None:
         ready = self.server.ready()
         self._reply_json(200 if ready else 503, {"status": "READY" if ready else NOT_READY})
 
-    def _forward(self) -> None:
-        body = self._read_body()
+    def _forward(self, body: bytes | None) -> None:
         if not self.server.ready():
             self._reply_error(not_ready_reply("the model server is starting or restarting"))
             return
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = {
+            k: v
+            for k, v in self.headers.items()
+            if k.lower() not in HOP_BY_HOP and k.lower() != "authorization"  # ours replaces it
+        }
+        headers.update(self.server.upstream_auth())
         upstream = http.client.HTTPConnection(
             *self.server.upstream, timeout=self.server.upstream_timeout_s
         )
@@ -154,7 +254,8 @@ class _FrontHandler(BaseHTTPRequestHandler):
                 write_chunk(self.wfile, b"")
             except CallerGone:
                 session_id = self.headers.get(SESSION_HEADER)
-                cancel_turn(*self.server.upstream, session_id, CANCEL_TIMEOUT_S)
+                auth = self.server.upstream_auth()
+                cancel_turn(*self.server.upstream, session_id, CANCEL_TIMEOUT_S, auth)
                 self.close_connection = True
         else:
             payload = reply.read()
@@ -164,19 +265,51 @@ class _FrontHandler(BaseHTTPRequestHandler):
                 self.wfile.write(payload)
 
     def _read_body(self) -> bytes | None:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+        """The request's body, at most ``MAX_BODY_BYTES``: a declared length over it is
+        refused unread, a chunked body as soon as its count passes it."""
+        if self._chunked():
             return self._read_chunked()
-        length = int(self.headers.get("Content-Length") or 0)
+        length = self._content_length()
         return self.rfile.read(length) if length else None
 
+    def _content_length(self) -> int:
+        """The declared body length, refused over the cap (0 for a chunked body)."""
+        if self._chunked():
+            return 0
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise Refused(400, "INVALID_REQUEST", "Content-Length is not a number") from None
+        if length < 0:
+            raise Refused(400, "INVALID_REQUEST", "Content-Length is negative")
+        if length > MAX_BODY_BYTES:
+            raise _too_large(f"a body of {length:,} bytes")
+        return length
+
+    def _chunked(self) -> bool:
+        return "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+
     def _read_chunked(self) -> bytes:
-        parts = []
-        while size := int(self.rfile.readline().split(b";")[0], 16):
+        parts, count = [], 0
+        while size := self._chunk_size():
+            count += size
+            if count > MAX_BODY_BYTES:
+                raise _too_large("a chunked body")
             parts.append(self.rfile.read(size))
-            self.rfile.readline()  # the CRLF after each chunk
-        while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+            self.rfile.readline(MAX_CHUNK_LINE)  # the CRLF after each chunk
+        while self.rfile.readline(MAX_CHUNK_LINE) not in (b"\r\n", b"\n", b""):  # trailers
             pass
         return b"".join(parts)
+
+    def _chunk_size(self) -> int:
+        line = self.rfile.readline(MAX_CHUNK_LINE)
+        try:
+            size = int(line.split(b";")[0], 16)
+        except ValueError:
+            size = -1
+        if size < 0:
+            raise Refused(400, "INVALID_REQUEST", "a chunk's size is not a hex number")
+        return size
 
     def _reply_error(self, error: ErrorReply) -> None:
         self._reply_json(error.status, error.payload, error.headers)
@@ -189,7 +322,23 @@ class _FrontHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
         pass  # TorchServe's access log already records every forwarded request
+
+
+# Every method the standard library would otherwise answer 501 is routed (a 405 unless ROUTES
+# names it); one it has no name for still gets its 501.
+for _method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"):
+    setattr(_FrontHandler, f"do_{_method}", _FrontHandler._route)
+
+
+def _too_large(what: str) -> Refused:
+    return Refused(
+        413,
+        "REQUEST_TOO_LARGE",
+        f"{what} is over the {MAX_BODY_BYTES:,}-byte cap on a request (SageMaker's): "
+        "pass the image by URL (https://...) or s3:// instead of inline",
+    )

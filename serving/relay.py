@@ -38,9 +38,12 @@ def write_chunk(wfile: BinaryIO, data: bytes) -> None:
         raise CallerGone from err
 
 
-def cancel_turn(host: str, port: int, session_id: str | None, timeout_s: float) -> None:
+def cancel_turn(
+    host: str, port: int, session_id: str | None, timeout_s: float, auth: dict[str, str]
+) -> None:
     """Ask the TorchServe at host:port to stop the session's turn at its next step (a call
-    without a session has no turn to stop). Best effort: a worker that does not answer ends
+    without a session has no turn to stop), with ``auth``, its inference key's header
+    (``TorchServeInstance.auth_headers``). Best effort: a worker that does not answer ends
     the turn at its deadline anyway."""
     if not session_id:
         return
@@ -50,7 +53,7 @@ def cancel_turn(host: str, port: int, session_id: str | None, timeout_s: float) 
             "POST",
             "/invocations",
             body=json.dumps({"requestType": CANCEL_TURN}),
-            headers={"Content-Type": "application/json", SESSION_HEADER: session_id},
+            headers={"Content-Type": "application/json", SESSION_HEADER: session_id, **auth},
         )
         upstream.getresponse().read()
     except (OSError, http.client.HTTPException):

@@ -9,9 +9,16 @@ a READY worker that is a child of this instance's Java process.
 
     python -m serving.torchserve start|stop|status [--instance-dir .run/llava]
         [--inference-port 8080 --management-port 8081 --metrics-port 8082] [--timeout 180]
+    python -m serving.torchserve auth inference|management [--instance-dir .run/llava]
 
 Ports reach TorchServe as TS_*_ADDRESS environment variables (config.properties sets
-enable_envvars_config=true), so every instance shares the one config.properties.
+enable_envvars_config=true), so every instance shares the one config.properties; so do the
+archive URLs the management API may fetch (TS_ALLOWED_URLS: only the instance's model store).
+
+Token authorization is on: every call to the inference or management API carries the key that
+the instance's TorchServe wrote at start (``auth_headers``). A shell gets it with
+
+    curl -H "$(python -m serving.torchserve auth inference)" http://127.0.0.1:8080/...
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -28,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import requests
@@ -40,6 +49,10 @@ UNIX_PATH_MAX = 107  # worker sockets are $TMPDIR/.ts.sock.<port>; longer paths 
 # would restart that worker forever, so the first one ends the start.
 SETTINGS_ERROR = re.compile(r"SettingsError: (.+)$", re.MULTILINE)
 READY_POLL_S = 0.05  # the management API, asked while a worker loads: a restart waits on it
+# TorchServe 0.12 writes its keys here, in its working directory, when it starts with token
+# authorization on; `torchserve --stop` deletes the one in its own working directory.
+KEY_FILE = "key_file.json"
+API = Literal["inference", "management"]
 
 
 def free_ports(n: int) -> list[int]:
@@ -66,6 +79,10 @@ class TorchServeInstance:
     ts_config: Path = ROOT / "config.properties"
     host: str = "127.0.0.1"  # the address TorchServe binds; we always poll via 127.0.0.1
     env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. LLAVA_* settings
+    # The keys as last read, with the key file's (inode, mtime, size) then.
+    _keys: tuple[tuple[int, int, int], dict[str, str]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     @classmethod
     def on_free_ports(cls, root: Path, **settings) -> TorchServeInstance:
@@ -88,6 +105,15 @@ class TorchServeInstance:
         return self.root / "logs"
 
     @property
+    def key_file(self) -> Path:
+        return self.root / KEY_FILE
+
+    @property
+    def workflow_store(self) -> Path:
+        """Empty and read-only: nothing to register by name, nowhere to download to."""
+        return self.root / "workflow-store"
+
+    @property
     def started_worker_file(self) -> Path:
         """The pid of the worker that ``start`` saw READY: ``status`` tells if it died."""
         return self.root / "worker.pid"
@@ -107,9 +133,15 @@ class TorchServeInstance:
         mar = self.model_store / f"{self.mar_name}.mar"
         if not mar.is_file():
             raise TorchServeError(f"{mar} not found (make mar)")
-        for d in (self.tmp_dir, self.log_dir):  # a killed instance leaves extracted archives
+        # Private: TorchServe writes the key file with the umask's mode, then makes it 0600.
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o700)
+        self.key_file.unlink(missing_ok=True)  # a killed instance leaves its old keys
+        # ... and its extracted archives (root ignores the workflow store's mode: emptied too)
+        for d in (self.tmp_dir, self.log_dir, self.workflow_store):
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
+        self.workflow_store.chmod(0o555)
         # Appended: a supervisor's restart (serving/supervisor.py) keeps one console log.
         with open(self.root / "torchserve.out", "ab") as out:
             launched = subprocess.run(
@@ -117,11 +149,12 @@ class TorchServeInstance:
                     TORCHSERVE,
                     "--start",
                     "--ncs",
-                    "--disable-token-auth",
                     "--ts-config",
                     self.ts_config,
                     "--model-store",
                     self.model_store,
+                    "--workflow-store",
+                    self.workflow_store,
                     "--models",
                     f"{self.mar_name}={mar.name}",
                 ],
@@ -186,6 +219,27 @@ class TorchServeInstance:
         if left:
             raise TorchServeError(f"processes left after kill: {[p.pid for p in left]}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self.key_file.unlink(missing_ok=True)  # what `torchserve --stop` does, killed or not
+
+    def auth_headers(self, api: API) -> dict[str, str]:
+        """The ``Authorization`` header for TorchServe's ``api``, from the key file this
+        instance's TorchServe wrote at start; read again only when the file changes (each
+        start writes new keys, whichever process restarts the instance). No header while there
+        is none yet (the call then gets TorchServe's 400)."""
+        try:
+            found = self.key_file.stat()
+        except OSError:
+            return {}
+        version = (found.st_ino, found.st_mtime_ns, found.st_size)
+        cached = self._keys
+        if cached is None or cached[0] != version:
+            try:
+                written = json.loads(self.key_file.read_text())
+                keys = {name: written[name]["key"] for name in ("inference", "management")}
+            except (OSError, ValueError, LookupError, TypeError):  # gone, or half written
+                return {}
+            cached = self._keys = (version, keys)
+        return {"Authorization": f"Bearer {cached[1][api]}"}
 
     def java_pid(self) -> int | None:
         """The frontend's pid from this instance's pid file, if that process still runs."""
@@ -200,7 +254,11 @@ class TorchServeInstance:
     def workers(self) -> list[dict]:
         """The model's workers as the management API lists them; [] while it doesn't answer."""
         try:
-            reply = requests.get(f"{self.management_url}/models/{self.mar_name}", timeout=5)
+            reply = requests.get(
+                f"{self.management_url}/models/{self.mar_name}",
+                headers=self.auth_headers("management"),
+                timeout=5,
+            )
             reply.raise_for_status()
             return reply.json()[0]["workers"]
         except (requests.RequestException, ValueError, LookupError):
@@ -225,6 +283,10 @@ class TorchServeInstance:
             "TS_INFERENCE_ADDRESS": f"http://{self.host}:{self.inference_port}",
             "TS_MANAGEMENT_ADDRESS": f"http://{self.host}:{self.management_port}",
             "TS_METRICS_ADDRESS": f"http://{self.host}:{self.metrics_port}",
+            "TS_ALLOWED_URLS": allowed_urls(self.model_store),
+            # On whatever the inherited environment says (it wins over config.properties):
+            # every caller sends the key, and auth_headers needs the key file.
+            "TS_DISABLE_TOKEN_AUTHORIZATION": "false",
             **self.env,
         }
 
@@ -242,6 +304,12 @@ class TorchServeInstance:
         logs = ((self.root / "torchserve.out", 30), (self.log_dir / "model_log.log", 50))
         tails = "".join(f"\n--- {path} (last {n} lines) ---\n{tail(path, n)}" for path, n in logs)
         return TorchServeError(f"{reason}{tails}")
+
+
+def allowed_urls(model_store: Path) -> str:
+    """TorchServe's allowed_urls (Java regexes, comma-separated): an archive directly in the
+    model store, by a name that cannot be ``..``."""
+    return f"file://{re.escape(str(model_store))}/[^/.][^/]*\\.mar".replace(",", r"\x2c")
 
 
 def _ready_pid(workers: list[dict], java: int | None) -> int | None:
@@ -305,7 +373,10 @@ def tail(path: Path, lines: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["start", "stop", "status"])
+    parser.add_argument("command", choices=["start", "stop", "status", "auth"])
+    parser.add_argument(
+        "api", nargs="?", choices=["inference", "management"], help="auth: whose key header"
+    )
     parser.add_argument("--instance-dir", default=ROOT / ".run" / "llava", type=Path)
     parser.add_argument("--inference-port", default=8080, type=int)
     parser.add_argument("--management-port", default=8081, type=int)
@@ -332,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.model} READY in {time.monotonic() - began:.1f} s: worker pid {pid}, "
                 f"{ts.inference_url}/predictions/{args.model}, logs in {ts.log_dir}"
             )
+        elif args.command == "auth":
+            if not (auth := ts.auth_headers(args.api or "inference")):
+                raise TorchServeError(f"no key file in {ts.root}: is it running? (make serve)")
+            print(f"Authorization: {auth['Authorization']}")
         elif args.command == "stop":
             ts.stop()
             print(f"stopped ({ts.root})")

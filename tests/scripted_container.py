@@ -32,12 +32,14 @@ BAD = (413, {}, {"error": {"code": "IMAGE_TOO_LARGE", "message": "too big"}})
 
 
 class ScriptedContainer:
-    """Answers POST /invocations with the next reply of ``script``; counts what it got."""
+    """Answers POST /invocations with the next reply of ``script`` (a body in bytes is sent as
+    it is: a streamed reply); counts what it got."""
 
     def __init__(self):
-        self.script: list[tuple[int, dict, dict]] = []
+        self.script: list[tuple[int, dict, dict | bytes]] = []
         self.calls = 0
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []
         container = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -46,9 +48,10 @@ class ScriptedContainer:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 container.bodies.append(json.loads(body))
+                container.headers.append(dict(self.headers.items()))
                 container.calls += 1
                 status, headers, body = container.script.pop(0)
-                data = json.dumps(body).encode()
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(status)
                 for name, value in {"Content-Type": "application/json", **headers}.items():
                     self.send_header(name, value)

@@ -1,29 +1,29 @@
 """Download an image from S3 with the server's own credentials, bytes and time capped.
 
-Access denied is reported as ``ImageFetchFailed`` (424), like a missing key: the source is
-well-formed and allowed by policy, the fetch itself failed. Only ``intake.s3_buckets``
-refusals are ``ImageSourceNotAllowed``. The deadline is checked between chunks here (the
-server is S3, not the caller's); each read is bounded by the read timeout.
+Only buckets and key prefixes that ``intake.s3_buckets`` lists are fetched (empty: none), and
+that is checked before any network call; a refusal is ``ImageSourceNotAllowed``. Every S3
+error answer (no such key, no such bucket, access denied, anything else) is the same
+``ImageFetchFailed``, with no S3 error code in it, so a caller cannot probe which buckets and
+keys exist; the code is logged for the operator. The deadline is checked between chunks here
+(the server is S3, not the caller's); each read is bounded by the read timeout.
 """
 
 from __future__ import annotations
 
-import re
+import logging
 
 from llava.errors import ImageFetchFailed, ImageSourceNotAllowed, InvalidRequest
 
 from .limits import Deadline, read_capped, too_large
-from .policy import IntakePolicy
+from .policy import S3_BUCKET, IntakePolicy
 
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
-_DENIED = {"AccessDenied", "AllAccessDisabled", "403"}
+logger = logging.getLogger(__name__)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """``s3://bucket/key`` → (bucket, key); the key is taken verbatim (it may hold ? and #)."""
     bucket, _, key = uri.removeprefix("s3://").partition("/")
-    if not uri.startswith("s3://") or not _BUCKET.match(bucket) or not key:
+    if not uri.startswith("s3://") or not S3_BUCKET.match(bucket) or not key:
         raise InvalidRequest(f"image s3 must look like s3://bucket/key, got {uri[:120]!r}")
     if len(key.encode()) > 1024:
         raise InvalidRequest("image s3 key is longer than S3's 1024-byte limit")
@@ -32,9 +32,15 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 def fetch_s3(uri: str, policy: IntakePolicy) -> bytes:
     bucket, key = parse_s3_uri(uri)
-    if policy.s3_buckets and bucket not in policy.s3_buckets:
+    if not policy.s3_buckets:
         raise ImageSourceNotAllowed(
-            f"bucket {bucket} is not in intake.s3_buckets; add it there to permit it"
+            "s3:// images are off: intake.s3_buckets is empty; list the bucket (or "
+            "bucket/prefix) there to permit it"
+        )
+    if not policy.s3_permits(bucket, key):
+        raise ImageSourceNotAllowed(
+            f"this key of bucket {bucket} is under no intake.s3_buckets entry; add the "
+            "bucket (or bucket/prefix) there to permit it"
         )
     boto3, botocore = _sdk()
     deadline = Deadline(policy.deadline_s)
@@ -80,14 +86,11 @@ def _client(boto3, botocore, policy: IntakePolicy):
 
 
 def _client_error(uri: str, error) -> ImageFetchFailed:
-    """``error``: a botocore ClientError."""
-    code = str(error.response.get("Error", {}).get("Code", ""))
-    if code in _NOT_FOUND:
-        return ImageFetchFailed(f"{uri} not found ({code}); check the bucket and key")
-    if code in _DENIED:
-        return ImageFetchFailed(
-            f"access to {uri} denied ({code}); grant s3:GetObject on it to the server's role"
-        )
+    """``error``: a botocore ClientError. One answer whatever S3 said: missing and denied
+    objects must look alike to the caller."""
+    code = error.response.get("Error", {}).get("Code", "unknown")
+    logger.warning("s3 image %s: S3 error %s", uri, code)
     return ImageFetchFailed(
-        f"cannot fetch {uri}: S3 error {code or 'unknown'}; check the server's S3 credentials"
+        f"cannot fetch {uri}: it does not exist or the server may not read it; check the key "
+        "and that the server's role has s3:GetObject on it"
     )

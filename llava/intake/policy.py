@@ -17,6 +17,7 @@ MiB = 1024 * 1024
 # Formats are detected from content by PIL, never from a name or a Content-Type.
 KNOWN_FORMATS = frozenset({"PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF", "ICO", "PPM"})
 KNOWN_SCHEMES = frozenset({"http", "https"})
+S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\.?)+$", re.IGNORECASE)
 
 
@@ -29,9 +30,13 @@ class IntakePolicy:
     entry trusts whatever that name resolves to). Public addresses need no entry.
     ``deadline_s`` bounds the whole fetch, redirects and slow bodies included; the per-socket
     timeouts alone cannot stop a server that drips one byte at a time.
-    ``s3_buckets`` empty means any bucket the server's credentials can read.
+    ``s3_buckets`` lists what an ``s3://`` source may name: ``bucket`` (any key in it) or
+    ``bucket/prefix`` (keys under that prefix, matched by whole path segments: ``b/cats``
+    permits ``b/cats/x.png``, not ``b/catsup.png``). Empty (the default) refuses every
+    ``s3://`` source: the server's role may read more than callers should.
     ``max_pixels`` is checked first, from the header; PIL itself refuses images over
-    2 x ``Image.MAX_IMAGE_PIXELS`` (~179 MP) whatever ``max_pixels`` says.
+    2 x ``Image.MAX_IMAGE_PIXELS`` (~179 MP) whatever ``max_pixels`` says. 16 MP holds a phone
+    camera's photo; the model sees under a megapixel of it, so more only costs decode time.
     ``decode_budget_bytes`` bounds the memory of the decodes a worker runs at once (each
     counted as 8 bytes a pixel, from the header); one larger than it runs alone.
     """
@@ -40,7 +45,7 @@ class IntakePolicy:
     read_timeout_s: float = 10.0
     deadline_s: float = 20.0
     max_bytes: int = 20 * MiB
-    max_pixels: int = 50_000_000
+    max_pixels: int = 16_000_000
     decode_budget_bytes: int = 512 * MiB
     formats: frozenset[str] = frozenset({"PNG", "JPEG", "GIF", "WEBP", "BMP"})
     max_redirects: int = 3
@@ -69,6 +74,21 @@ class IntakePolicy:
             _require(
                 _is_network(entry) or _HOSTNAME.match(entry), f"intake.allow: bad entry {entry!r}"
             )
+        for entry in self.s3_buckets:
+            bucket, _, prefix = entry.partition("/")
+            _require(
+                S3_BUCKET.match(bucket) and "//" not in prefix and not prefix.startswith("/"),
+                f"intake.s3_buckets: bad entry {entry!r}; want bucket or bucket/prefix",
+            )
+
+    def s3_permits(self, bucket: str, key: str) -> bool:
+        """Whether ``s3_buckets`` lists the bucket, or a prefix of the key's path segments."""
+        for entry in self.s3_buckets:
+            listed, _, prefix = entry.partition("/")
+            prefix = prefix.rstrip("/")
+            if listed == bucket and (not prefix or key.startswith(prefix + "/")):
+                return True
+        return False
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> IntakePolicy:

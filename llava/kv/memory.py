@@ -12,11 +12,11 @@ Image features live in pool blocks too, so the pool *is* the device budget: KV a
 together can never exceed it; activations and graphs get the stated headroom beside it.
 
 Prefixes are shared (docs/engine/memory.md §Shared prefixes): a new device KV starts on the
-published blocks of the longest prefix it has in common with what any session computed
-(llava.kv.prefix), and an image's features are held once for every session on that image. A
-shared block counts once; moving a session down lets go of its references, so a block leaves
-the device only when no session there needs it, and even then stays reusable until its room
-is needed.
+published blocks of the longest prefix it has in common with what any session computed, as
+far as its keys let it find them (llava.kv.prefix), and an image's features are held once for
+every session on that image. A shared block counts once; moving a session down lets go of its
+references, so a block leaves the device only when no session there needs it, and even then
+stays reusable until its room is needed.
 
 One lock guards the pool's block map, the host bytes and every holding. Under device pressure
 a reservation moves the least recently used idle sessions down, in one order
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from llava.counters import Counters
-from llava.errors import NoCapacity
+from llava.errors import NoCapacity, log_id
 from llava.kv.host_copies import HostCopies
 from llava.kv.pool import KVPool, SessionKV
 from llava.kv.prefix import feature_keys
@@ -347,7 +347,8 @@ class MemoryManager:
 
     def publish(self, holding: Holding, keys: list[bytes]) -> None:
         """``keys``: the content keys of the full blocks of the holding's KV as committed now
-        (llava.kv.prefix.block_keys): its blocks become reusable by any session under them."""
+        (llava.kv.prefix.block_keys): its blocks become reusable by any session that looks up
+        the same keys (those the keys' salts allow: llava.kv.prefix)."""
         with self._lock:
             kv = holding.kv
             full = kv.length // self.pool.block_tokens
@@ -651,7 +652,7 @@ class MemoryManager:
             logger.warning(
                 "session %s evicted to free device memory: the persistent tier does not hold "
                 "it (off, full, or its write failed)",
-                holding.label,
+                log_id(holding.label),
             )
             self._evict(holding)
 

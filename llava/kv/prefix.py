@@ -6,6 +6,11 @@ hash of the decoded pixels and of everything that changes its features: never a 
 blocks with one key hold the same KV, so a session whose prompt starts with another's full
 blocks reuses them read-only instead of computing them (docs/engine/memory.md §Shared prefixes).
 
+Who may find a block is in its key too: every key of a tenant's session is salted with the
+tenant (``scoped``), so tenants share nothing, and the keys of blocks that hold a caller's
+text are salted with the session's own secret, so no other session can find them and its
+``cachedTokens`` cannot tell a right guess of another's text from a wrong one.
+
 ``PrefixIndex`` maps keys to the pool blocks that hold them. A published block is never
 written again; when no session references it any more it stays indexed, in least-recently
 -used order, until its room is needed.
@@ -21,25 +26,44 @@ from collections.abc import Sequence
 _ROOT = hashlib.sha256(b"stateful-llava kv prefix 1").digest()
 
 
+def scoped(key: bytes, tenant: str | None) -> bytes:
+    """``key`` salted with ``tenant``: no key of one tenant equals another's; without a
+    tenant, unchanged (tenant-less sessions share with each other only)."""
+    if tenant is None:
+        return key
+    return hashlib.sha256(b"tenant " + key + tenant.encode()).digest()  # key: fixed length
+
+
 def block_keys(
     ids: Sequence[int],
     block_tokens: int,
     image_key: bytes | None,
     image_token_id: int,
     known: Sequence[bytes] = (),
+    *,
+    tenant: str | None = None,
+    own_from: int | None = None,
+    own_salt: bytes = b"",
 ) -> list[bytes]:
     """The keys of every full block of ``ids``; ``known``: those of its first blocks, already
-    computed (a session's keys grow with its history)."""
+    computed (a session's keys grow with its history). Every key is salted with ``tenant``;
+    blocks from index ``own_from`` on (None: none) with ``own_salt`` too, the session's own
+    secret, so that no other session finds them."""
+    if own_from is not None and not own_salt:
+        raise ValueError("a session's own blocks need its own salt, or anyone finds them")
     keys = list(known)
     packed = struct.Struct(f"<{block_tokens}q")
+    root = scoped(_ROOT, tenant)
     for start in range(len(keys) * block_tokens, len(ids) - block_tokens + 1, block_tokens):
         chunk = ids[start : start + block_tokens]
-        digest = hashlib.sha256(keys[-1] if keys else _ROOT)
+        digest = hashlib.sha256(keys[-1] if keys else root)
         digest.update(packed.pack(*chunk))
         if image_token_id in chunk:
             if image_key is None:  # every image token's KV depends on which image it was
                 raise ValueError("image tokens in a prefix without the image's content key")
             digest.update(image_key)
+        if own_from is not None and len(keys) >= own_from:
+            digest.update(own_salt)
         keys.append(digest.digest())
     return keys
 

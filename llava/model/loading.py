@@ -29,6 +29,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_positions: int
     image_aspect_ratio: str | None = None  # "pad": keep the whole image (llava/model/imageprep.py)
+    model_dir: str | None = None  # where its weights were read from (None: built in memory)
 
     @property
     def tokenizer(self):
@@ -105,4 +106,5 @@ def load_model(
         eos_token_ids=checkpoint.eos_token_ids,
         max_positions=model.config.text_config.max_position_embeddings,
         image_aspect_ratio=checkpoint.image_aspect_ratio,
+        model_dir=str(model_dir),
     )

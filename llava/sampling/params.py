@@ -26,7 +26,7 @@ class GenerationParams:
     min_new_tokens: int = 0  # eos is suppressed until this many ids were generated
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
+    top_k: int = 0  # 0, or at least the vocabulary (the sampler takes min(top_k, vocab)): no cut
     do_sample: bool = False
     seed: int | None = None
 

@@ -63,8 +63,11 @@ class Sampler:
         """Each row's (hold_eos, greedy), (temperature, top_p, top_k) and (seed, ids so far),
         as host lists: what ``rows`` uploads (a decode graph stages them with its inputs)."""
         flags = [(len(c.generated) < c.params.min_new_tokens, c.params.greedy) for c in choosers]
+        # top_k is bounded by the wire, not by the model: at or above the vocabulary it cuts
+        # nothing (HF's TopKLogitsWarper: min(top_k, vocab)), and never indexes past the row.
         values = [
-            (c.params.temperature, c.params.top_p, c.params.top_k or self.vocab) for c in choosers
+            (c.params.temperature, c.params.top_p, min(c.params.top_k or self.vocab, self.vocab))
+            for c in choosers
         ]
         counters = [(c.seed, len(c.generated)) for c in choosers]
         return flags, values, counters

@@ -4,7 +4,8 @@ Callers (many handler threads) put requests in an inbox and wait on their future
 iteration the loop starts what the scheduler admits, ends requests that were cancelled or ran
 out of time, then runs one step over the scheduler's plan and hands each request its next
 id. A request that fails fails alone: its future gets the exception, the others go on
-(docs/engine/scheduling.md §Engine loop).
+(docs/engine/scheduling.md §Engine loop). The one exception is an error that leaves the device
+unusable (``device_lost``): then every request fails, the loop stops and ``on_fatal`` is told.
 """
 
 from __future__ import annotations
@@ -18,12 +19,31 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from llava.errors import Busy
+import torch
+
+from llava.errors import Busy, ShardFailed
 from llava.exec.runner import Runner, StepInput
 from llava.kv.memory import Shortfall
 from llava.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+# What a CUDA error that poisons the device's context says (a device-side assert, an illegal
+# address): every later call on that device fails too, so nothing it runs can succeed again.
+_DEVICE_LOST_MESSAGES = ("CUDA error", "device-side assert", "illegal memory access")
+
+
+def device_lost(error: BaseException) -> bool:
+    """Whether ``error`` leaves the device unusable for this process: torch's
+    ``AcceleratorError`` (where torch has it) or a RuntimeError that says so. Running out of
+    memory is not: the context survives it, and the memory manager answers it."""
+    if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _DEVICE_LOST_MESSAGES)
 
 
 class Request(Protocol):
@@ -71,10 +91,18 @@ class EngineLoop:
     ):
         self.runner = runner
         self.on_idle = on_idle  # called each time the loop goes idle (a debug check)
+        # Called once, from the loop thread, with the error after which the device is lost
+        # (``device_lost``): the engine stays TorchServe-free, its owner decides what to end.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self.scheduler = scheduler
         self._clock = clock
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = False
+        # Once the thread has ended its last requests, nothing more may enter the inbox (it
+        # would wait for ever): ``_closed`` says so, under ``_closing``, with the error to give.
+        self._closing = threading.Lock()
+        self._closed = False
+        self._close_error: Exception = RuntimeError("the engine was stopped")
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.steps = 0  # how many model steps ran (the bench counts decode steps with it)
 
@@ -97,27 +125,58 @@ class EngineLoop:
 
     def submit(self, request: Request) -> Any:
         """Queue ``request`` and wait for its result (raises what it failed with)."""
-        self._inbox.put(request)
+        self._put(request)
         return request.future.result()
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in the loop thread between two steps and return its result."""
         future: Future = Future()
-        self._inbox.put((fn, future))
+        self._put((fn, future))
         return future.result()
+
+    def _put(self, item) -> None:
+        with self._closing:
+            if self._closed:
+                raise self._close_error
+            self._inbox.put(item)
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        lost: BaseException | None = None
         while not self._stopped:
             try:
                 self._iteration()
-            except Exception:  # a bug in the loop itself: fail what runs, keep serving
+            except Exception as error:
+                if device_lost(error):  # nothing can run on this device again
+                    lost = error
+                    self._stopped = True
+                    continue
+                # a bug in the loop itself: fail what runs, keep serving
                 logger.exception("engine loop iteration failed; failing its requests")
                 for request in list(self.scheduler.running):
                     self._fail(request, RuntimeError("internal error in the engine loop"))
-        stopped = RuntimeError("the engine was stopped")
+        if lost is not None:
+            logger.critical("the engine's device failed; its loop stops", exc_info=lost)
+            self._close_error = ShardFailed(
+                f"the engine's device failed ({type(lost).__name__}) and this engine stopped: "
+                "retry once the server has restarted"
+            )
+        self._close()
+        if lost is not None and self.on_fatal is not None:
+            self.on_fatal(lost)  # left alone, the loop would fail every request, looking alive
+
+    def _close(self) -> None:
+        """Fail every request, those still in the inbox too, with ``_close_error``."""
+        with self._closing:
+            self._closed = True
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._fail(request, stopped)
+            self._fail(request, self._close_error)
+        while not self._inbox.empty():
+            item = self._inbox.get()
+            if isinstance(item, tuple):
+                item[1].set_exception(self._close_error)
+            elif item is not None:
+                self._settle(item, self._close_error)
 
     def _iteration(self) -> None:
         if self.scheduler.idle and self.on_idle is not None:
@@ -179,7 +238,9 @@ class EngineLoop:
             return
         try:
             ids = self.runner.next_ids(inputs)
-        except Exception:  # find which request(s) the step fails for, alone
+        except Exception as error:  # find which request(s) the step fails for, alone
+            if device_lost(error):  # no request alone can succeed on this device
+                raise
             logger.exception("a step of %d sequences failed; retrying each alone", len(inputs))
             for request, _n in plan:
                 request.rewind()
@@ -221,6 +282,8 @@ class EngineLoop:
 
     def _fail(self, request: Request, error: BaseException) -> None:
         if request in self.scheduler.running or request in self.scheduler.waiting:
+            if device_lost(error):  # not this request's failure but the device's: _run
+                raise error
             self.scheduler.remove(request)
             self._settle(request, error)
 

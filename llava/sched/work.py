@@ -14,12 +14,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 import torch
 
-from llava.errors import InvalidRequest
+from llava.errors import InvalidRequest, log_id
 from llava.exec.runner import StepInput
 from llava.kv.memory import Holding, MemoryManager, Shortfall, Tier
 from llava.kv.prefix import block_keys
@@ -36,8 +36,8 @@ from llava.sampling.chooser import Chooser
 from llava.sampling.detokenizer import Detokenizer
 from llava.sampling.params import GenerationParams
 from llava.sessions.persist import BadEntry, NoJournal, SessionJournal, Snapshot
-from llava.sessions.session import Session
-from llava.sessions.store import SessionStore, new_session_id
+from llava.sessions.session import Session, Sharing
+from llava.sessions.store import SessionStore
 
 logger = logging.getLogger(__name__)
 
@@ -56,21 +56,37 @@ class RequestContext:
     banned_ids: object  # llava.sampling.logits_mask.banned_token_ids
     image_token_id: int
     max_positions: int
+    max_session_tokens: int | None = None  # EngineConfig.max_session_tokens; None: no limit
     journal: SessionJournal | NoJournal = NoJournal()
-    share_prefixes: bool = True  # EngineConfig.share_prefixes
+    prefix_sharing: str = "opening"  # EngineConfig.prefix_sharing
 
-    def prefix_keys(self, holding: Holding, ids: list[int], known: list[bytes] = ()) -> list[bytes]:
+    def prefix_keys(
+        self, holding: Holding, sharing: Sharing, ids: list[int], known: list[bytes] = ()
+    ) -> list[bytes]:
         """The content keys of the full blocks of ``ids`` in ``holding``'s session (none when
-        sharing is off); ``known``: those of its first blocks (llava.kv.prefix.block_keys)."""
-        if not self.share_prefixes:
+        sharing is off); ``known``: those of its first blocks (llava.kv.prefix.block_keys).
+        Under "opening", blocks past the opening's full ones are keyed for the session alone:
+        another session's right guess of its text then finds no more than a wrong one."""
+        if self.prefix_sharing == "off":
             return []
         bt = self.memory.pool.block_tokens
-        return block_keys(ids, bt, holding.image_key, self.image_token_id, known)
+        own_from = sharing.opening_tokens // bt if self.prefix_sharing == "opening" else None
+        return block_keys(
+            ids,
+            bt,
+            holding.image_key,
+            self.image_token_id,
+            known,
+            tenant=sharing.tenant,
+            own_from=own_from,
+            own_salt=sharing.own_salt,
+        )
 
     def publish(self, session: Session) -> None:
-        """The session's committed KV becomes reusable by others (before its reply goes)."""
-        holding = session.holding
-        keys = self.prefix_keys(holding, session.token_ids[: holding.kv.length], holding.block_keys)
+        """The session's committed KV becomes reusable by the sessions its sharing allows
+        (before its reply goes)."""
+        holding, ids = session.holding, session.token_ids[: session.kv.length]
+        keys = self.prefix_keys(holding, session.sharing, ids, holding.block_keys)
         self.memory.publish(holding, keys)
 
     def feed(self, holding: Holding, held: list[int], pending: list[int], features=None) -> Feed:
@@ -99,20 +115,27 @@ class RequestContext:
             time.time(),
             self.store.ttl_s,
             None if session.holding.image_key is None else session.holding.image_key.hex(),
+            session.sharing.tenant,
+            session.sharing.opening_tokens,
         )
         try:
             kept = self.journal.save(snapshot, features)
         except Exception:  # a bug here must not fail a committed turn: the entry goes instead
-            logger.exception("persistent tier: session %s not kept", session.session_id)
+            logger.exception("persistent tier: session %s not kept", log_id(session.session_id))
             self.journal.remove(session.session_id)
             kept = False
         self.memory.mark_persisted(session.holding, kept)  # parked, or else evicted, for room
 
     def check_length(self, needed: int) -> None:
-        if needed > self.max_positions:
+        """Refuse a conversation that would pass the model's positions or the
+        ``max_session_tokens`` setting, before anything of it is computed."""
+        limit, whose = self.max_positions, "the model's"
+        if self.max_session_tokens is not None and self.max_session_tokens < limit:
+            limit, whose = self.max_session_tokens, "max_session_tokens,"
+        if needed > limit:
             raise InvalidRequest(
-                f"the conversation would reach {needed} tokens, past the model's "
-                f"{self.max_positions}; lower max_new_tokens or open a new session",
+                f"the conversation would reach {needed} tokens, past {whose} {limit}; lower "
+                "max_new_tokens or open a new session",
                 code="CONVERSATION_TOO_LONG",
             )
 
@@ -221,9 +244,11 @@ class OpenRequest(_Request):
         context: RequestContext,
         deadline_s: float,
         pixels: dict | Callable[[], dict] | None,
-        session_id: str | None,
+        session_id: str,  # the id it opens under (llava.sessions.store.full_session_id)
         image_key: bytes | None = None,
         system: str = "",
+        callers_system: bool = False,
+        tenant: str | None = None,
     ):
         super().__init__(context, deadline_s)
         # the image's pixels, or how to make them when the caller found its features held
@@ -232,6 +257,8 @@ class OpenRequest(_Request):
         self.session_id = session_id
         self.image_key = image_key  # None: the image's features and prefix are not shared
         self.system = system
+        self.callers_system = callers_system  # the caller's own text, not the operator's
+        self.sharing = Sharing(tenant)
         self.features: torch.Tensor | None = None
         self.holding: Holding | None = None
         self.ids: list[int] = []
@@ -266,7 +293,10 @@ class OpenRequest(_Request):
         else:
             image_tokens = holding.image_tokens
         self.ids = context.prompt.opening_ids(self.pixels is not None, image_tokens, self.system)
-        keys = context.prefix_keys(holding, self.ids)
+        context.check_length(len(self.ids))
+        opening_tokens = 0 if self.callers_system else len(self.ids)
+        self.sharing = replace(self.sharing, opening_tokens=opening_tokens)
+        keys = context.prefix_keys(holding, self.sharing, self.ids)
         features = None if shared else self.features
         return memory.reserve(holding, len(self.ids), features, keys, may_drop)
 
@@ -278,7 +308,7 @@ class OpenRequest(_Request):
 
     def finish(self, reason: str) -> None:
         context, store = self.context, self.context.store
-        session = Session(self.session_id or new_session_id(), self.ids, self.holding)
+        session = Session(self.session_id, self.ids, self.holding, sharing=self.sharing)
         session.messages = opening_messages(self.system)
         with session.lock:  # persisted before anyone else can use it
             store.add(session)
@@ -353,7 +383,7 @@ class TurnRequest(_Request):
             if shortfall is None and holding.kv is None:  # recomputed, on any shared prefix
                 features = self._parked_features(session)
                 # at least one id is prefilled: its logits start the answer
-                keys = context.prefix_keys(holding, self.prompt[:-1])
+                keys = context.prefix_keys(holding, session.sharing, self.prompt[:-1])
                 shortfall = memory.reserve(holding, total, features, keys, may_drop)
                 self.reused = 0 if shortfall else holding.kv.length
             elif shortfall is None:

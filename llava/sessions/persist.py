@@ -6,9 +6,10 @@ holds, per session, a ``<id>.state`` file (token history, messages, turns, last 
 for a session with an image, a ``<id>.features`` file (its image features, written once at
 open). Every file is written to a temporary name, fsynced and renamed over the old one, and
 carries a format version, the model's identity and a SHA-256 of everything before it, so an
-entry is either whole and verified or ignored. ``SessionJournal`` is what one engine calls at
-open, after each committed turn and when a session goes; ``load`` is what a restarted engine
-adopts. No TorchServe here: the engine writes, whatever serves it.
+entry is either whole and verified or ignored. The directory is this user's alone (0700,
+checked at start: ``check_private``) and every file in it 0600. ``SessionJournal`` is what
+one engine calls at open, after each committed turn and when a session goes; ``load`` is what
+a restarted engine adopts. No TorchServe here: the engine writes, whatever serves it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import logging
 import os
 import re
 import shutil
+import stat
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -28,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from llava.config import EngineConfig, SettingsError
+from llava.errors import log_id
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +42,12 @@ _HEAD = struct.Struct("<4sII")  # magic, format, header length
 _DIGEST = hashlib.sha256().digest_size
 _TEMP = ".tmp-"
 _FILE_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,255}")
-# Why ids went (closed, expired, evicted), one "<id> <code>" line each, so a restarted worker
-# still tells a gone id from one never seen; at most REMEMBERED_GONE (as SessionStore keeps).
+# Why ids went (closed, expired, evicted), one "<id> <code> <wall time>" line each, so a
+# restarted worker still tells a gone id from one never seen and refuses to reopen it. An id is
+# forgotten only when it went more than one session TTL ago and REMEMBERED_GONE newer ones
+# went after it, as the store forgets them: never reusable within a TTL, however many go
+# (docs/security.md §What the session id grants), and a late caller still told why. The log
+# is rewritten without the forgotten ones once it has twice as many lines as it kept.
 GONE_LOG = "gone.log"
 REMEMBERED_GONE = 10_000
 _REASON = re.compile(r"[A-Z_]{1,40}")
@@ -60,6 +68,8 @@ class Snapshot:
     last_used_wall: float  # time.time() of its last commit
     ttl_s: float
     image_key: str | None = None  # hex content key its features and prefix are shared under
+    tenant: str | None = None  # whose sessions it shares with (llava.sessions.session.Sharing)
+    opening_tokens: int = 0  # its first ids that hold no caller text
 
 
 @dataclass(frozen=True)
@@ -99,14 +109,16 @@ def entry_bytes(
     return total
 
 
-def model_identity(model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """A hash of the checkpoint's config and its weights' names, sizes and dtype: entries of
-    another checkpoint (or of this one loaded in another dtype) are never adopted."""
+def model_identity(model: torch.nn.Module, dtype: torch.dtype, weights_digest: str | None) -> str:
+    """A hash of the checkpoint's config, its weights' names, sizes and dtype, and the digest
+    of their values (llava.model.weights_digest; None where nothing outlives the process):
+    entries of another checkpoint (a fine-tune of the same shape, or this one loaded in
+    another dtype) are never adopted."""
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "_commit_hash", "transformers_version", "dtype"):
         config.pop(volatile, None)
     weights = sorted((name, list(t.shape)) for name, t in model.state_dict().items())
-    text = json.dumps([config, weights, str(dtype)], sort_keys=True, default=str)
+    text = json.dumps([config, weights, str(dtype), weights_digest], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -140,10 +152,12 @@ def persistence(config: EngineConfig) -> Location | None:
 
 
 def check_directory(directory: str, max_bytes: int | None, setting: str = "persist_dir") -> int:
-    """Create and try the directory; return the byte cap. A bad one is a SettingsError."""
+    """Create (0700) and try the directory; return the byte cap. A bad one is a SettingsError:
+    one that is not this user's own and private (``check_private``) is never used."""
     path = Path(directory)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private(path, setting)
         probe = path / f"{_TEMP}probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -158,6 +172,31 @@ def check_directory(directory: str, max_bytes: int | None, setting: str = "persi
             "persist_max_bytes", f"{max_bytes} is more than {directory}'s {size}-byte file system"
         )
     return max_bytes
+
+
+def check_private(path: Path, setting: str) -> None:
+    """The directory must be this user's and writable by no one else: on a shared host (a
+    fixed path in a shared tmpfs) another user could have made it first, to read the sessions
+    or plant entries. Our own that others may only read (an older start's 0755) is narrowed.
+    Each directory above it must be root's or ours, and writable by others only with the
+    sticky bit (as /dev/shm and /tmp are), or it could be renamed away and replaced."""
+    found = path.lstat()
+    if stat.S_ISLNK(found.st_mode):
+        raise SettingsError(setting, f"{path} is a symbolic link; give a real directory")
+    if found.st_uid != os.geteuid():
+        problem = f"{path} belongs to uid {found.st_uid}, not this user ({os.geteuid()})"
+        raise SettingsError(setting, problem + "; remove it or give another directory")
+    if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"{path} is writable by its group or others (mode {found.st_mode & 0o777:o})"
+        raise SettingsError(setting, problem + "; remove it or give another directory")
+    if found.st_mode & 0o077:
+        path.chmod(0o700)
+    for parent in path.absolute().parents:  # one who may rename it could swap it afterwards
+        above = parent.stat()
+        shared = above.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not above.st_mode & stat.S_ISVTX
+        if above.st_uid not in (0, os.geteuid()) or shared:
+            problem = f"{parent}, above it, may be changed by another user"
+            raise SettingsError(setting, problem + "; give a directory under a safe one")
 
 
 @dataclass
@@ -200,13 +239,23 @@ class SessionJournal:
     serialized by one lock, so a removed session is never written back.
     """
 
-    def __init__(self, directory: str | Path, max_bytes: int, model: str):
+    def __init__(
+        self,
+        directory: str | Path,
+        max_bytes: int,
+        model: str,
+        vocab_size: int,
+        remember_gone_s: float,
+    ):
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.model = model
+        self.vocab_size = vocab_size  # an adopted id past it would index past the embeddings
+        self.remember_gone_s = remember_gone_s  # the session TTL
         self._entries: dict[str, _Entry] = {}
         self._total = 0
-        self._gone_lines = 0  # lines in the gone log (rewritten when twice the kept count)
+        self._gone_lines = 0  # lines in the gone log
+        self._gone_kept = 0  # lines it kept when last rewritten
         self._lock = threading.Lock()
 
     @property
@@ -217,7 +266,9 @@ class SessionJournal:
         """Persist a committed state (``features`` at open only); False if not persisted."""
         session_id = snapshot.session_id
         if not _FILE_SAFE_ID.fullmatch(session_id):  # the wire's ids always are (SageMaker's)
-            logger.warning("persistent tier: session %r not kept: not a file name", session_id)
+            logger.warning(
+                "persistent tier: session %s not kept: not a file name", log_id(session_id)
+            )
             return False
         features_file = None if features is None else self._features_bytes(session_id, features)
         with self._lock:
@@ -234,7 +285,7 @@ class SessionJournal:
                     _write_atomically(self._path(session_id, FEATURES), features_file)
                 _write_atomically(self._path(session_id, STATE), state)
             except OSError as e:
-                return self._drop(session_id, f"writing failed ({e})")
+                return self._drop(session_id, f"writing failed ({e.strerror or type(e).__name__})")
             self._total += new.total - old.total
             self._entries[session_id] = new
             return True
@@ -287,10 +338,10 @@ class SessionJournal:
             self._total += kept.total
             adopted.append(entry)
         live = {entry.snapshot.session_id for entry in adopted}
-        gone = {i: why for i, why in self._read_gone().items() if i not in live}
+        gone = {i: went for i, went in self._read_gone(now_wall).items() if i not in live}
         if (self.directory / GONE_LOG).exists():
-            self._rewrite_gone(gone)  # trimmed to the newest REMEMBERED_GONE
-        return Loaded(adopted[::-1], expired, gone)
+            self._rewrite_gone(gone)  # without the ids gone more than a TTL ago
+        return Loaded(adopted[::-1], expired, {i: why for i, (why, _) in gone.items()})
 
     # -- files -----------------------------------------------------------------------------
     def _path(self, session_id: str, suffix: str) -> Path:
@@ -321,11 +372,15 @@ class SessionJournal:
                 last_used_wall=float(header["lastUsedWall"]),
                 ttl_s=float(header["ttlS"]),
                 image_key=_image_key(header.get("imageKey")),
+                tenant=_tenant(header.get("tenant")),
+                opening_tokens=_count(header.get("openingTokens", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise BadEntry(f"a state without {e}") from None
         if snapshot.session_id != session_id:
             raise BadEntry("a state under another session's name")
+        if not all(0 <= i < self.vocab_size for i in snapshot.token_ids):
+            raise BadEntry(f"token ids outside the vocabulary (0..{self.vocab_size - 1})")
         shape = None
         if header["features"] is not None:
             shape = tuple(self._features(session_id, header["features"]).shape)
@@ -352,7 +407,7 @@ class SessionJournal:
         try:
             data = path.read_bytes()
         except OSError as e:
-            raise BadEntry(f"unreadable ({e})") from None
+            raise BadEntry(f"unreadable ({e.strerror or type(e).__name__})") from None
         if len(data) < _HEAD.size + _DIGEST:
             raise BadEntry("truncated")
         body, digest = data[:-_DIGEST], data[-_DIGEST:]
@@ -374,37 +429,45 @@ class SessionJournal:
     # -- the gone log (the caller holds self._lock, or is load) -----------------------------
     def _note_gone(self, session_id: str, reason: str) -> None:
         try:
-            with open(self.directory / GONE_LOG, "a") as log:
-                log.write(f"{session_id} {reason}\n")
+            now = time.time()
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+            with os.fdopen(os.open(self.directory / GONE_LOG, flags, 0o600), "a") as log:
+                log.write(f"{session_id} {reason} {now:.3f}\n")
             self._gone_lines += 1
-            if self._gone_lines > 2 * REMEMBERED_GONE:
-                self._rewrite_gone(self._read_gone())
+            if self._gone_lines > 2 * max(self._gone_kept, REMEMBERED_GONE):
+                self._rewrite_gone(self._read_gone(now))
         except OSError as e:  # a close never fails for it: the id is then merely unknown
-            logger.warning("persistent tier: %s's end not noted: %s", session_id, e)
+            logger.warning("persistent tier: %s's end not noted: %s", log_id(session_id), e)
 
-    def _read_gone(self) -> dict[str, str]:
-        """The newest REMEMBERED_GONE ids of the log, oldest first; a torn line is skipped."""
+    def _read_gone(self, now_wall: float) -> dict[str, tuple[str, float]]:
+        """id → (why, when) of the ids still remembered at ``now_wall`` (those that went less
+        than a TTL before it, and the newest REMEMBERED_GONE), oldest first; a torn or
+        unreadable line is skipped."""
         try:
             lines = (self.directory / GONE_LOG).read_text(errors="replace").splitlines()
         except FileNotFoundError:
             return {}
-        gone: dict[str, str] = {}
+        gone: dict[str, tuple[str, float]] = {}
         for line in lines:
-            session_id, _, reason = line.partition(" ")
-            if _FILE_SAFE_ID.fullmatch(session_id) and _REASON.fullmatch(reason):
-                gone.pop(session_id, None)
-                gone[session_id] = reason
-        return dict(list(gone.items())[-REMEMBERED_GONE:])
+            session_id, reason, when = (line.split(" ") + ["", ""])[:3]
+            if not (_FILE_SAFE_ID.fullmatch(session_id) and _REASON.fullmatch(reason)):
+                continue
+            try:
+                went = float(when)
+            except ValueError:
+                continue
+            gone.pop(session_id, None)
+            gone[session_id] = (reason, went)
+        return forget_old_gone(gone, now_wall - self.remember_gone_s)
 
-    def _rewrite_gone(self, gone: dict[str, str]) -> None:
-        temp = self.directory / f"{_TEMP}{GONE_LOG}-{os.getpid()}"
-        temp.write_text("".join(f"{i} {why}\n" for i, why in gone.items()))
-        os.replace(temp, self.directory / GONE_LOG)
-        self._gone_lines = len(gone)
+    def _rewrite_gone(self, gone: dict[str, tuple[str, float]]) -> None:
+        text = "".join(f"{i} {why} {went:.3f}\n" for i, (why, went) in gone.items())
+        _write_atomically(self.directory / GONE_LOG, text.encode())
+        self._gone_lines = self._gone_kept = len(gone)
 
     # -- removal (the caller holds self._lock, or is load) ---------------------------------
     def _drop(self, session_id: str, why: str, log: int = logging.WARNING) -> bool:
-        logger.log(log, "persistent tier: session %s not kept: %s", session_id, why)
+        logger.log(log, "persistent tier: session %s not kept: %s", log_id(session_id), why)
         self._unlink(session_id)
         return False
 
@@ -424,6 +487,8 @@ def _state_header(model: str, snapshot: Snapshot, features_digest: str | None) -
         "lastUsedWall": snapshot.last_used_wall,
         "ttlS": snapshot.ttl_s,
         "imageKey": snapshot.image_key,
+        "tenant": snapshot.tenant,
+        "openingTokens": snapshot.opening_tokens,
         "features": features_digest,
     }
 
@@ -435,6 +500,18 @@ def _features_header(model: str, session_id: str, dtype: str, shape) -> dict:
 def _image_key(value) -> str | None:
     if value is not None and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
         raise ValueError("a well-formed imageKey")
+    return value
+
+
+def _tenant(value) -> str | None:
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError("a well-formed tenant")
+    return value
+
+
+def _count(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("a well-formed openingTokens")
     return value
 
 
@@ -475,12 +552,25 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def _discard(path: Path, why: str) -> None:
-    logger.warning("persistent tier: removed %s: %s", path.name, why)
+    # files are named by their session's id: the log shows its tag instead
+    logger.warning("persistent tier: removed %s%s: %s", log_id(path.stem), path.suffix, why)
     path.unlink(missing_ok=True)
 
 
-def open_journal(location: Location | None, model: str) -> SessionJournal | NoJournal:
+def forget_old_gone(
+    gone: dict[str, tuple[str, float]], before: float
+) -> dict[str, tuple[str, float]]:
+    """``gone`` (id → (why, when), oldest first) without the ids that went before ``before``
+    and have REMEMBERED_GONE newer ones after them; changed in place and returned."""
+    while len(gone) > REMEMBERED_GONE and next(iter(gone.values()))[1] < before:
+        del gone[next(iter(gone))]
+    return gone
+
+
+def open_journal(
+    location: Location | None, model: str, vocab_size: int, ttl_s: float
+) -> SessionJournal | NoJournal:
     """The engine's journal at ``location`` (``persistence``'s; None: the tier is off)."""
     if location is None:
         return NoJournal()
-    return SessionJournal(location.directory, location.max_bytes, model)
+    return SessionJournal(location.directory, location.max_bytes, model, vocab_size, ttl_s)

@@ -1,4 +1,4 @@
-"""A session: its conversation, its turn lock, and the memory it holds.
+"""A session: its conversation, its turn lock, the memory it holds, and who may reuse it.
 
 The memory (KV on device or host, image features) belongs to llava.kv.memory's manager; the
 session only points at its ``Holding`` (docs/engine/memory.md §Memory policy).
@@ -6,13 +6,25 @@ session only points at its ``Holding`` (docs/engine/memory.md §Memory policy).
 
 from __future__ import annotations
 
+import secrets
 import threading
 from dataclasses import dataclass, field
 
 from llava.kv.memory import Holding, Tier
 from llava.kv.pool import SessionKV
 
-__all__ = ["Session", "Tier"]
+__all__ = ["Session", "Sharing", "Tier"]
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """What decides which other sessions may reuse the KV blocks a session publishes
+    (docs/engine/memory.md §Shared prefixes)."""
+
+    tenant: str | None = None  # salts every key it publishes or looks up
+    opening_tokens: int = 0  # its first ids holding no caller text: image, operator's prompt
+    # salts the keys of its blocks of caller text: a secret, so only it finds them again
+    own_salt: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
 
 
 @dataclass(eq=False)
@@ -24,6 +36,7 @@ class Session:
     turns: int = 0
     # The conversation as chat-template messages: each turn's prompt is rendered from it.
     messages: list[dict] = field(default_factory=list)
+    sharing: Sharing = field(default_factory=Sharing)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property

@@ -8,18 +8,25 @@ when the session goes, and learns which sessions the manager evicted (docs/engin
   by ``reap()`` (which ``llava.sessions.reaper.Reaper`` calls on a timer, so an idle server
   frees it).
 - Turns of one session are serialized by its lock; a session in a turn is pinned: never
-  moved, evicted or expired underneath it.
-Removed ids are remembered (bounded) so a caller learns *why* an id is no longer valid, a
-second close of it is acknowledged, and an open cannot take it again. Lock order: the store's
-lock, then the manager's (the manager never calls back).
+  moved, evicted or expired underneath it. One ask is in flight per session, and at most
+  ``max_waiting_asks`` wait behind it: one more is refused (SESSION_BUSY), holding no thread.
+- At most ``max_sessions`` are held: one more open evicts the least recently used idle
+  text-only session, else is refused (NO_CAPACITY).
+- An id is a bearer secret (docs/wire.md §Session ids are bearer secrets): the store makes
+  every id it opens carry at least 128 bits (``full_session_id``), and logs only ``log_id``.
+Removed ids are remembered for one TTL after they went, so a caller learns *why* an id is no
+longer valid, a second close of it is acknowledged, and an open cannot take it again. Lock
+order: the store's lock, then the manager's (the manager never calls back).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import secrets
+import string
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,9 +35,16 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from llava.counters import Counters
-from llava.errors import SessionIdInUse, SessionNotFound
+from llava.errors import (
+    InvalidRequest,
+    NoCapacity,
+    SessionBusy,
+    SessionIdInUse,
+    SessionNotFound,
+    log_id,
+)
 from llava.kv.memory import Holding, IntegrityError
-from llava.sessions.persist import REMEMBERED_GONE, NoJournal
+from llava.sessions.persist import NoJournal, forget_old_gone
 from llava.sessions.session import Session
 
 logger = logging.getLogger(__name__)
@@ -75,9 +89,48 @@ class StoreCounters(Counters):
     cached_tokens: int = 0  # reused from KV caches by turns
 
 
+# What an id's characters are counted as: its length (hyphens not counted) times log2 of the
+# alphabet its character classes span.
+MIN_ID_BITS = 128
+MAX_ID_CHARS = 256  # SageMaker's limit (llava_wire.session_ids)
+_CLASSES = (string.digits, string.ascii_lowercase, string.ascii_uppercase)
+_ALPHABET = "".join(_CLASSES)
+RANDOM_CHARS = 22  # 22 × log2(62) = 131 bits
+
+
+def id_bits(session_id: str) -> float:
+    """The bits ``session_id`` is counted as: non-hyphen characters × log2(alphabet), the
+    alphabet being the classes it uses (digits 10, lowercase 26, uppercase 26)."""
+    alphabet = sum(len(chars) for chars in _CLASSES if any(c in chars for c in session_id))
+    characters = len(session_id.replace("-", ""))
+    return characters * math.log2(alphabet) if alphabet else 0.0
+
+
 def new_session_id() -> str:
-    """Unguessable (uuid4 is 122 random bits from os.urandom), matches SageMaker's pattern."""
-    return str(uuid.uuid4())
+    """131 random bits (secrets: os.urandom) in 22 letters and digits, every class among them,
+    so the id also counts as 131 bits and ``full_session_id`` keeps it as it is."""
+    while True:
+        chars = "".join(secrets.choice(_ALPHABET) for _ in range(RANDOM_CHARS))
+        if all(any(c in chars for c in cls) for cls in _CLASSES):  # redrawn ~2 % of the time
+            return chars
+
+
+def full_session_id(requested: str | None) -> str:
+    """The id a session opens under: a new random one, the caller's if it counts at least
+    MIN_ID_BITS, else the caller's with "-" and a random part: a short id anyone could guess
+    can never name a live session, so an open's refusal tells nothing about one."""
+    if requested is None:
+        return new_session_id()
+    if id_bits(requested) >= MIN_ID_BITS:
+        return requested
+    if len(requested) + 1 + RANDOM_CHARS > MAX_ID_CHARS:
+        raise InvalidRequest(
+            f"'extSessionID' counts {id_bits(requested):.0f} bits, under {MIN_ID_BITS}, and is "
+            f"too long for the server's random part: send {MIN_ID_BITS} bits (e.g. 22 letters "
+            "and digits), fewer hyphens, or no id",
+            code="INVALID_SESSION_ID",
+        )
+    return f"{requested}-{new_session_id()}"
 
 
 class SessionStore:
@@ -88,6 +141,8 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         journal: Journal | None = None,
+        max_sessions: int = 1024,
+        max_waiting_asks: int = 1,
     ):
         self.memory = memory
         self.journal = NoJournal() if journal is None else journal
@@ -95,7 +150,12 @@ class SessionStore:
         self._clock = clock
         self._wall_offset = lambda: wall_clock() - clock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
-        self._gone: OrderedDict[str, str] = OrderedDict()  # id → reason code
+        # id → (reason code, when it went): oldest first, each kept one TTL after it went
+        self._gone: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.max_sessions = max_sessions
+        self.max_waiting_asks = max_waiting_asks
+        self._opening = 0  # opens admitted and not yet added: they count against max_sessions
+        self._asks: dict[str, int] = {}  # id → its asks in flight, waiting ones included
         self._counters = StoreCounters()
         self._lock = threading.RLock()
 
@@ -143,9 +203,49 @@ class SessionStore:
                 )
             if session_id in self._gone:
                 raise SessionIdInUse(
-                    f"session id {session_id} was used recently ({self._gone[session_id]}); "
+                    f"session id {session_id} was used recently ({self._gone[session_id][0]}); "
                     "ids are never reused: choose another id, or leave out 'extSessionID'"
                 )
+
+    @contextmanager
+    def opening(self) -> Iterator[None]:
+        """Hold a place for one open until it is added or fails: past ``max_sessions`` the
+        least recently used idle text-only session is evicted for it, else it is refused
+        (NO_CAPACITY). Opens in progress count, so concurrent ones cannot overshoot."""
+        with self._lock:
+            self._sweep()
+            if len(self._sessions) + self._opening >= self.max_sessions:
+                self._evict_for_open()
+            self._opening += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._opening -= 1
+
+    @contextmanager
+    def asking(self, session_id: str) -> Iterator[None]:
+        """Count one ask of a live session while it is in flight (waiting included): past the
+        one running and ``max_waiting_asks`` waiting it is refused at once (SESSION_BUSY), so
+        a session's asks never pile up holding request threads."""
+        with self._lock:
+            self._sweep()
+            self._lookup(session_id)
+            asks = self._asks.get(session_id, 0)
+            if asks > self.max_waiting_asks:
+                raise SessionBusy(
+                    f"session {session_id} already has an ask in flight"
+                    f"{f' and {asks - 1} waiting' if asks > 1 else ''}: send the next one "
+                    "when it is answered, or stop it with CANCEL_TURN"
+                )
+            self._asks[session_id] = asks + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._asks.pop(session_id) - 1
+                if left:
+                    self._asks[session_id] = left
 
     @contextmanager
     def use(self, session_id: str) -> Iterator[Session]:
@@ -181,7 +281,7 @@ class SessionStore:
     def lose(self, session: Session, why: str) -> SessionNotFound:
         """A session in its turn that cannot go on (its parked state is unreadable): evicted,
         logged with ``why``; returns the error its caller gets (SESSION_EVICTED)."""
-        logger.warning("session %s evicted: %s", session.session_id, why)
+        logger.warning("session %s evicted: %s", log_id(session.session_id), why)
         with self._lock:
             self.memory.evict(session.holding)
             self._forget_evicted()
@@ -267,10 +367,10 @@ class SessionStore:
     def _why_gone(self, session_id: str) -> str:
         if session_id not in self._gone:
             raise self._not_found(session_id)
-        return self._gone[session_id]
+        return self._gone[session_id][0]
 
     def _not_found(self, session_id: str) -> SessionNotFound:
-        code = self._gone.get(session_id, SessionNotFound.code)
+        code = self._gone.get(session_id, (SessionNotFound.code,))[0]
         message = _MESSAGES[code].format(id=session_id, ttl=self.ttl_s)
         return SessionNotFound(message, code=code)
 
@@ -281,9 +381,39 @@ class SessionStore:
         self._remember(session_id, reason)
 
     def _remember(self, session_id: str, reason: str) -> None:
-        self._gone[session_id] = reason
-        while len(self._gone) > REMEMBERED_GONE:
-            self._gone.popitem(last=False)
+        self._gone.pop(session_id, None)  # to the end: the order is by when they went
+        self._gone[session_id] = (reason, self._clock())
+        self._forget_old_gone()
+
+    def _forget_old_gone(self) -> None:
+        """An id is forgotten only when it went more than one TTL ago and REMEMBERED_GONE
+        newer ones went after it: never reusable within a TTL however many go, and a caller
+        coming back late is still told why (memory: the newest REMEMBERED_GONE ids, or every
+        one gone within a TTL where more went)."""
+        forget_old_gone(self._gone, self._clock() - self.ttl_s)
+
+    def _evict_for_open(self) -> None:
+        """Make room for one more session: evict the least recently used text-only session
+        not in a turn and with no ask in flight (an image session costs its vision tower to
+        open again); none: NO_CAPACITY."""
+        for session_id, session in self._sessions.items():  # least recently used first
+            if session.image_tokens or session_id in self._asks:
+                continue
+            if session.lock.acquire(blocking=False):  # not in a turn
+                break
+        else:
+            raise NoCapacity(
+                f"this server holds max_sessions ({self.max_sessions}) sessions and none is "
+                "idle and text-only: close a session, or retry later"
+            )
+        try:
+            self.memory.evict(session.holding)  # counted by the manager (evicted)
+        finally:
+            session.lock.release()
+        logger.info(
+            "session %s evicted: max_sessions (%d) reached", log_id(session_id), self.max_sessions
+        )
+        self._forget_evicted()
 
     def _forget_evicted(self) -> None:
         """Sessions the manager evicted are gone, with that reason; one already idle past its
@@ -302,6 +432,7 @@ class SessionStore:
 
     def _sweep(self) -> int:
         self._forget_evicted()
+        self._forget_old_gone()
         deadline = self._clock() - self.ttl_s
         candidates = []
         for session_id, session in self._sessions.items():  # least recently used first

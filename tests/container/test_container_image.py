@@ -40,6 +40,7 @@ MAR = REPO / "model-store" / "llava.mar"
 START_S = 240  # bound on start to READY (2 shared cores), and on a restart after a kill
 IN_IMAGE = "/opt/ml/model"
 NAMESPACE = "StatefulLlava"  # serving/emf.py's default
+USER = "10001"  # the Dockerfile's USER: not root
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -59,8 +60,10 @@ def lay_out(model_dir: Path, kind: str) -> Path:
         shutil.copytree(DEMO_MODEL_DIR, model_dir, dirs_exist_ok=True)
     elif kind == "mar-reference":  # weights beside a small .mar that names their path in the image
         shutil.copytree(DEMO_MODEL_DIR, model_dir / "weights")
+        # as root: the operator's step writes the archive into this root-owned directory
         docker(
-            "run", "--rm", "--network", "none", "-v", f"{model_dir}:{IN_IMAGE}", IMAGE,
+            "run", "--rm", "--network", "none", "--user", "root",
+            "-v", f"{model_dir}:{IN_IMAGE}", IMAGE,
             "python", "-m", "serving.mar", "--config", "model-config.yaml",
             "--model-dir", f"{IN_IMAGE}/weights",
             "--weights", "reference", "--export-path", IN_IMAGE,
@@ -86,6 +89,16 @@ class Container(FrontClient):
             "run", "-d", "--network", "host", "--name", self.name,
             "-v", f"{model_dir}:{IN_IMAGE}:ro", *environment, IMAGE, "serve",
         )  # fmt: skip
+
+    def management_auth(self) -> dict[str, str]:
+        """Read inside the container, from the key file of its TorchServe (SERVE_WORK_DIR's
+        default), as an operator would."""
+        run = docker(
+            "exec", self.name, "python", "-m", "serving.torchserve", "auth", "management",
+            "--instance-dir", "/tmp/llava-serve/ts", check=False,
+        )  # fmt: skip
+        name, _, value = run.stdout.strip().partition(": ")
+        return {name: value} if value else {}
 
     def __enter__(self) -> Container:
         return self
@@ -134,9 +147,10 @@ def emf_lines(logs: str) -> list[dict]:
     return [json.loads(line) for line in logs.splitlines() if line.startswith('{"_aws"')]
 
 
-def test_the_image_is_what_sagemaker_runs():
+def test_the_image_is_what_sagemaker_runs(tmp_path):
     config = json.loads(docker("image", "inspect", "-f", "{{json .Config}}", IMAGE).stdout)
     assert config["Entrypoint"][0] == "/usr/bin/tini"
+    assert config["User"] == f"{USER}:{USER}"
     assert config["Cmd"] == ["serve"]
     assert "8080/tcp" in config["ExposedPorts"]
     assert not any(e.startswith(("PYTHONPATH=", "PIP_FIND_LINKS=")) for e in config["Env"])
@@ -145,6 +159,14 @@ def test_the_image_is_what_sagemaker_runs():
     run = docker("run", "--rm", "--network", "none", "-w", "/opt/stateful-llava/docker",
                  IMAGE, "python", "-c", probe)  # fmt: skip
     assert run.stdout.strip() == "8080", run.stderr
+    # Not root, and what it needs is there for it: the model SageMaker mounts read-only and
+    # owned by root (this test runs as root, so the files here are root's) is readable, and
+    # /dev/shm (the persistent tier) and /tmp (TorchServe's work) are writable.
+    model_dir = lay_out(tmp_path / "model", "checkpoint")
+    probe = "id -u; cat /opt/ml/model/config.json >/dev/null; touch /dev/shm/probe /tmp/probe"
+    run = docker("run", "--rm", "--network", "none", "-v", f"{model_dir}:{IN_IMAGE}:ro",
+                 IMAGE, "sh", "-ec", probe, check=False)  # fmt: skip
+    assert (run.returncode, run.stdout.strip()) == (0, USER), run.stderr
 
 
 @pytest.mark.parametrize("layout", ["mar", "checkpoint", "mar-reference"])
@@ -237,6 +259,8 @@ def test_a_killed_worker_inside_means_503_then_its_sessions_go_on(tmp_path, samp
         listed = docker("exec", container.name, "ls", "/tmp/stateful-llava").stdout.split()
         assert f"{kept}.state" in listed and f"{kept}.features" in listed
         old = container.ready_worker_pid()
+        owner = docker("exec", container.name, "stat", "-c", "%u", f"/proc/{old}").stdout
+        assert owner.strip() == USER  # the worker serves as the image's user, not as root
         docker("exec", container.name, "sh", "-c", f"kill -9 {old}")  # the shell's kill
         killed_at = time.monotonic()
         while container.ping() == 200:

@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from serving.mar import WEIGHTS_SUBDIR, build_mar
-from serving.torchserve import free_ports
+from serving.torchserve import TorchServeInstance, free_ports
 from tests.checkpoints import UNSUPPORTED, fixture_copy
 from tests.conftest import DEMO_MODEL_DIR, REPO
 from tests.container_helpers import FrontClient
@@ -60,6 +60,7 @@ class Container(FrontClient):
         self.port, *ts_ports = free_ports(4)
         self.ts_inference_port = ts_ports[0]
         self.management_url = f"http://127.0.0.1:{ts_ports[1]}"
+        self.ts_root = tmp / "work" / "ts"  # docker/serve.py's TorchServe instance directory
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "container.log"
         environ = {
@@ -81,10 +82,19 @@ class Container(FrontClient):
     def torchserve_ping(self) -> int | None:
         try:
             return requests.get(
-                f"http://127.0.0.1:{self.ts_inference_port}/ping", timeout=10
+                f"http://127.0.0.1:{self.ts_inference_port}/ping",
+                headers=self._auth("inference"),
+                timeout=10,
             ).status_code
         except requests.ConnectionError:
             return None
+
+    def management_auth(self) -> dict[str, str]:
+        return self._auth("management")
+
+    def _auth(self, api: str) -> dict[str, str]:
+        """A new instance object each time: its keys are read anew, as a restart changes them."""
+        return TorchServeInstance(self.ts_root).auth_headers(api)
 
     def worker_ready(self) -> bool:
         return self.ready_worker_pid() is not None
@@ -160,8 +170,9 @@ def test_ping_is_200_only_once_ready_then_serves_and_stops(tmp_path, kind):
         assert unknown.json()["error"]["code"] == "SESSION_NOT_FOUND"
         closed = container.invoke({"requestType": "CLOSE_SESSION"}, session)
         assert closed.headers["X-Amzn-SageMaker-Closed-Session-Id"] == session
-        # a closed session leaves no entry, only why it went (the gone log)
-        assert [p.name for p in sessions.iterdir()] == ["gone.log"]
+        # a closed session leaves no entry, only why it went (the gone log) beside the
+        # weights' digest (llava/model/weights_digest.py)
+        assert sorted(p.name for p in sessions.iterdir()) == ["gone.log", "weights.sha256.json"]
 
         processes = container.descendants()
         container.process.terminate()  # what `docker stop` sends

@@ -52,7 +52,10 @@ def served(tmp_path_factory):
     supervisor = Supervisor(instance, start_timeout_s=180)
     supervisor.start()
     front = Front(
-        ("127.0.0.1", free_ports(1)[0]), ("127.0.0.1", instance.inference_port), supervisor.ready
+        ("127.0.0.1", free_ports(1)[0]),
+        ("127.0.0.1", instance.inference_port),
+        supervisor.ready,
+        upstream_auth=lambda: instance.auth_headers("inference"),
     )
     threading.Thread(target=front.serve_forever, daemon=True).start()
     stop = threading.Event()

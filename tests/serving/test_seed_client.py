@@ -59,7 +59,7 @@ def test_the_seeds_client_chats_unmodified(endpoint, images, monkeypatch, pointe
 
 def test_our_client_opens_under_the_id_its_caller_chooses(endpoint, images):
     client = LlavaClient(ENDPOINT, runtime=endpoint.runtime())
-    chosen = f"ticket-{uuid.uuid4().hex[:12]}"
+    chosen = f"ticket-{uuid.uuid4().hex}"  # 128 bits or more: kept as it is
     with client.open(images.url(0), session_id=chosen) as chat:
         assert chat.id == chosen
         assert chat.ask("What color is the shape?").text == images.samples[0].color

@@ -69,7 +69,7 @@ def images():
 
 
 def invoke(instance, body, session_id=None, path="/invocations", **kwargs):
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **instance.auth_headers("inference")}
     if session_id is not None:
         headers[SESSION] = session_id
     data = body if isinstance(body, bytes) else json.dumps(body)
@@ -409,7 +409,7 @@ def test_a_killed_worker_loses_its_sessions_cleanly(short_ttl_server, images, ca
 
 def test_the_seeds_client_opens_with_its_own_id_and_uses_it(server, images):
     url, truth = images["a"]
-    own_id = f"conversation-{uuid.uuid4().hex[:8]}"
+    own_id = f"conversation-{uuid.uuid4().hex}"  # 128 bits or more: kept as it is
     opened = invoke(
         server,
         {"requestType": "NEW_SESSION", "extSessionID": own_id, "image": {"url": url}},
@@ -506,6 +506,7 @@ def test_the_reaper_frees_expired_sessions_with_no_request(short_ttl_server, ima
     ids=["empty", "null", "text", "form", "multipart"],
 )
 def test_whatever_reaches_the_handler_is_answered_in_json(server, kwargs):
+    kwargs["headers"] = {**kwargs.get("headers", {}), **server.auth_headers("inference")}
     reply = requests.post(server.inference_url + "/invocations", timeout=60, **kwargs)
     assert reply.status_code == 400
     assert reply.headers["Content-Type"].split(";")[0] == "application/json"
@@ -517,6 +518,40 @@ def test_a_body_over_the_frontends_limit_is_refused_by_torchserve_itself(server)
     frontend answers this one, with an empty body, before the handler sees it (max_request_size, 32
     MiB in config.properties)."""
     reply = requests.post(
-        server.inference_url + "/invocations", data=b" " * (32 * 1024 * 1024 + 1), timeout=60
+        server.inference_url + "/invocations",
+        data=b" " * (32 * 1024 * 1024 + 1),
+        headers=server.auth_headers("inference"),
+        timeout=60,
     )
     assert (reply.status_code, reply.text) == (413, "")
+
+
+@pytest.mark.parametrize(
+    "body, to_session, said",
+    [
+        (b'{"requestType": "SESSION", "inputs": "What \\ud800 color?"}', True, "'inputs'"),
+        (b'{"requestType": "NEW_SESSION", "system": "Be \\ud800 brief."}', False, "'system'"),
+        (
+            b'{"requestType": "SESSION", "inputs": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+            True,
+            "nests deeper than 32",
+        ),
+    ],
+    ids=["surrogate-in-inputs", "surrogate-in-system", "nested-10000-deep"],
+)
+def test_text_that_is_not_utf8_and_a_deep_body_are_a_400_and_harm_no_one(
+    server, images, body, to_session, said
+):
+    """TorchServe's worker json-decodes the body first: the escape "\\ud800" becomes a str
+    with a lone surrogate (the tokenizer raised on it: a 500), and a 10,000-deep body raises
+    RecursionError there, so the handler gets its bytes (and raised it again: a 500)."""
+    url, truth = images["a"]
+    session = open_session(server, url)
+    worker = server.worker_pid()
+    reply = invoke(server, body, session if to_session else "NEW_SESSION")
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "INVALID_REQUEST" and said in error["message"], error
+    assert server.worker_pid() == worker
+    answer = ask(server, session, "What color is the shape?").json()
+    assert answer["generation"]["text"] == truth.color

@@ -1,11 +1,13 @@
 """The serving plumbing with real TorchServe 0.12 processes and stand-in handlers: make_mar's
-archive layout in both weight modes, start-until-READY, clean stop, crash detection, and
-parallel instances. The real handler is tested elsewhere; here it would only add load time.
+archive layout in both weight modes, start-until-READY, clean stop, crash detection, parallel
+instances, and the loopback APIs closed (keys, allowed URLs, workflows). The real handler is
+tested elsewhere; here it would only add load time.
 """
 
 from __future__ import annotations
 
 import socket
+import stat
 import time
 import zipfile
 
@@ -13,8 +15,10 @@ import psutil
 import pytest
 import requests
 
+from serving import torchserve
 from serving.mar import build_mar
 from serving.torchserve import TorchServeError, TorchServeInstance
+from tests.intake_servers import LoopbackServer
 
 pytestmark = pytest.mark.torchserve
 
@@ -84,7 +88,12 @@ def gone(pid: int) -> bool:
 
 
 def probe(ts: TorchServeInstance) -> dict:
-    reply = requests.post(f"{ts.inference_url}/predictions/{ts.mar_name}", json={}, timeout=30)
+    reply = requests.post(
+        f"{ts.inference_url}/predictions/{ts.mar_name}",
+        json={},
+        headers=ts.auth_headers("inference"),
+        timeout=30,
+    )
     reply.raise_for_status()
     return reply.json()
 
@@ -118,7 +127,7 @@ def test_start_returns_when_ready_and_stop_leaves_nothing(tmp_path, store):
         big = requests.post(  # inline images: config.properties raises the 6.5 MB default
             f"{ts.inference_url}/predictions/inside",
             data=b'{"b64": "%s"}' % (b"A" * 8_000_000),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **ts.auth_headers("inference")},
             timeout=30,
         )
         assert big.status_code == 200
@@ -168,3 +177,46 @@ def test_two_instances_run_at_once(tmp_path, store):
             ts.stop()
     assert all(gone(pid) for pid in workers)
     assert [ts.processes() for ts in pair] == [[], []]
+
+
+def test_the_loopback_apis_want_their_keys_and_fetch_no_workflow(tmp_path, store, capsys):
+    """ShellTorch's path: ``POST /workflows?url=`` downloads an archive from any URL with 0.12's
+    defaults, and the model API's switch does not cover workflows. Here a call without its key is
+    refused (0.12: 400 ``InvalidKeyException``, not 401) and, with the management key, the URL
+    matches no allowed_urls: the server behind it is never asked, the workflow store stays empty."""
+    ts = instance(tmp_path, store, "k", "inside")
+    war = LoopbackServer()
+    war_url = war.url("/x.war")
+    ts.start(timeout=90)
+    try:
+        assert stat.S_IMODE(ts.key_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(ts.root.stat().st_mode) == 0o700
+        management = ts.auth_headers("management")
+        refused = [
+            requests.get(f"{ts.management_url}/models", timeout=10),
+            requests.put(f"{ts.management_url}/models/inside?min_worker=2", timeout=10),
+            requests.post(f"{ts.management_url}/workflows?url={war_url}", timeout=10),
+            requests.post(f"{ts.inference_url}/predictions/inside", json={}, timeout=10),
+            requests.get(f"{ts.inference_url}/ping", timeout=10),
+            requests.get(  # the other API's key
+                f"{ts.management_url}/models", headers=ts.auth_headers("inference"), timeout=10
+            ),
+        ]
+        assert [(r.status_code, r.json()["type"]) for r in refused] == [
+            (400, "InvalidKeyException")
+        ] * len(refused)
+        workflow = requests.post(
+            f"{ts.management_url}/workflows?url={war_url}", headers=management, timeout=10
+        )
+        assert workflow.status_code == 404
+        assert "does not match any allowed URL" in workflow.json()["message"]
+        assert war.paths == [] and list(ts.workflow_store.iterdir()) == []
+        assert [w["status"] for w in ts.workers()] == ["READY"]  # one worker: the scale refused
+        assert probe(ts)["has_config"]
+        assert torchserve.main(["auth", "inference", "--instance-dir", str(ts.root)]) == 0
+        printed = capsys.readouterr().out.strip()  # what `curl -H "$(...)"` sends
+        assert printed == f"Authorization: {ts.auth_headers('inference')['Authorization']}"
+    finally:
+        ts.stop()
+        war.close()
+    assert not ts.key_file.exists()

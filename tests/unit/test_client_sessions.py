@@ -5,9 +5,12 @@ tests/serving/test_local_endpoint.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from llava_client import LlavaClient, SessionGone
+from llava_client import LlavaClient, SessionGone, StreamGap
+from llava_wire import CUSTOM_ATTRIBUTES_HEADER
 from tests.scripted_container import OPENED, behind_an_endpoint, client_for
 
 GONE = (400, {}, {"error": {"code": "SESSION_EXPIRED", "message": "session s-1 expired"}})
@@ -46,6 +49,17 @@ def test_replay_is_asked_for_and_re_asks_every_question_in_order(container):
     asked = [body.get("inputs") for body in container.bodies]
     assert asked == [None, "What shape?", "And its color?", None, "What shape?", "And its color?"]
     assert chat.recoveries == 1 and chat.turns == 2
+
+
+def test_a_tenant_goes_as_a_custom_attribute_on_the_open_and_on_its_replay(container):
+    container.script = [OPENED, GONE, OPENED, answered("a circle", 1)]
+    chat = client_for(container, recover="replay").open(tenant="acme")
+    chat.ask("What shape?")
+    sent = [
+        (body.get("requestType"), headers.get(CUSTOM_ATTRIBUTES_HEADER))
+        for headers, body in zip(container.headers, container.bodies, strict=True)
+    ]
+    assert sent == [("NEW_SESSION", "tenant=acme"), ("SESSION", None)] * 2
 
 
 def test_recover_takes_only_its_named_choices():
@@ -87,3 +101,34 @@ def test_regenerate_needs_a_question_asked_through_the_object(container):
     with pytest.raises(ValueError, match=r"use edit_last\(question\)"):
         attached.regenerate()
     assert container.calls == 0
+
+
+def streamed(texts: list[str], lost: set[int] = frozenset()) -> tuple[int, dict, bytes]:
+    """A streamed reply as the handler numbers it, less the token lines in ``lost``."""
+    lines = [{"token": {"id": i, "text": text}, "seq": i} for i, text in enumerate(texts)]
+    final = {"generation": {"text": "".join(texts)}, "usage": {}, "turns": 1, "seq": len(texts)}
+    kept = [line for line in lines if line["seq"] not in lost] + [final]
+    body = b"".join(json.dumps(line).encode() + b"\n" for line in kept)
+    return 200, {"Content-Type": "application/jsonlines"}, body
+
+
+def test_a_whole_stream_yields_every_piece_in_order(container):
+    container.script = [OPENED, streamed(["a ", "red ", "circle"])]
+    chat = client_for(container).open()
+    assert list(chat.ask_stream("What is it?")) == ["a ", "red ", "circle"]
+    assert chat.history[-1].answer == "a red circle"
+
+
+@pytest.mark.parametrize("lost", [{1}, {2}], ids=["a middle line", "the last token line"])
+def test_a_stream_with_a_lost_line_raises_with_the_whole_text_after_yielding_no_hole(
+    container, lost
+):
+    container.script = [OPENED, streamed(["a ", "red ", "circle"], lost)]
+    chat = client_for(container).open()
+    pieces = []
+    with pytest.raises(StreamGap) as raised:
+        pieces.extend(chat.ask_stream("What is it?"))
+    assert pieces == ["a "] if lost == {1} else ["a ", "red "]  # nothing after the hole
+    assert raised.value.code == "STREAM_GAP" and raised.value.text == "a red circle"
+    assert f"1 line(s) of the stream never arrived (from line {min(lost)})" in raised.value.message
+    assert chat.history[-1].answer == "a red circle" and chat.turns == 1  # the session holds it

@@ -18,6 +18,7 @@ from llava_client import LlavaClient
 from llava_client.errors import LlavaError, SessionGone, from_client_error
 from llava_client.images import image_source
 from llava_client.jsonlines import JsonLines
+from llava_client.stream_order import stream_gap
 from local_endpoint import eventstream
 from serving.torchserve import free_ports
 from tests.endpoint_helpers import DUMMY_CREDENTIALS
@@ -145,3 +146,17 @@ def test_a_503_says_when_to_retry_from_the_body_or_the_header():
     not_ready = json.dumps({"error": {"code": "NOT_READY", "message": "restarting"}})
     wrapped = client_error("ModelError", 424, OriginalStatusCode=503, OriginalMessage=not_ready)
     assert from_client_error(wrapped, with_session=False).retry_after_s is None  # no wait named
+
+
+@pytest.mark.parametrize(
+    "line, received, gap",
+    [
+        ({"seq": 3}, 3, None),
+        ({"seq": 5}, 3, "2 line(s) of the stream never arrived (from line 3)"),
+        ({"seq": 2}, 3, "line 2 of the stream arrived again, or out of order, after 3 lines"),
+        ({}, 0, "line 0 of the stream carries no sequence number (None)"),
+    ],
+    ids=["in order", "skipped", "repeated", "unnumbered"],
+)
+def test_a_streamed_lines_number_shows_what_was_lost_before_it(line, received, gap):
+    assert stream_gap(line, received) == gap

@@ -8,6 +8,7 @@ in the table of docs/deploy.md §What only AWS can verify.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -134,6 +135,42 @@ def test_create_makes_model_config_endpoint_as_asked_and_delete_removes_them(sag
     assert "no endpoint llava-chat" in capsys.readouterr().out
 
 
+def test_s3_images_reach_the_container_as_its_intake_setting(sagemaker):
+    """--s3-images become intake.s3_buckets in LLAVA_INTAKE, beside what --env's LLAVA_INTAKE
+    says; the container merges that with its archived intake settings key by key."""
+    from llava.config import load_config
+    from llava.intake import IntakePolicy
+
+    intake = json.dumps({"allow": ["10.0.0.0/8"]})
+    args = create_args(**{"--s3-images": "chat-images/uploads"})
+    assert deploy(*args, "--s3-images", "shared-art", "--env", f"LLAVA_INTAKE={intake}") == 0
+    [model] = everything(sagemaker)["models"]
+    environment = sagemaker.describe_model(ModelName=model)["PrimaryContainer"]["Environment"]
+    assert json.loads(environment["LLAVA_INTAKE"]) == {
+        "allow": ["10.0.0.0/8"],
+        "s3_buckets": ["chat-images/uploads", "shared-art"],
+    }
+    archived = {"model_dir": "m", "intake": {"max_redirects": 1}}
+    policy = IntakePolicy.from_mapping(load_config(archived, environment, "/opt/ml/model").intake)
+    assert policy.max_redirects == 1 and policy.allow == ("10.0.0.0/8",)
+    assert policy.s3_permits("chat-images", "uploads/cat.png")
+    assert not policy.s3_permits("chat-images", "private/cat.png")
+
+
+def test_without_s3_images_the_container_refuses_s3_sources(sagemaker):
+    assert deploy(*create_args()) == 0
+    [model] = everything(sagemaker)["models"]
+    environment = sagemaker.describe_model(ModelName=model)["PrimaryContainer"]["Environment"]
+    assert "LLAVA_INTAKE" not in environment  # intake.s3_buckets keeps its default: none
+
+
+def test_the_image_policy_grants_reading_exactly_the_listed_places(capsys):
+    assert deploy("image-policy", "--s3-images", "chat-images/uploads/", "--s3-images", "art") == 0
+    [statement] = json.loads(capsys.readouterr().out)["Statement"]
+    assert statement["Effect"] == "Allow" and statement["Action"] == "s3:GetObject"
+    assert statement["Resource"] == ["arn:aws:s3:::chat-images/uploads/*", "arn:aws:s3:::art/*"]
+
+
 def test_the_ami_can_be_left_to_sagemaker(sagemaker):
     """For an image built with --torch-index for a CUDA 12.x that SageMaker's default AMI runs."""
     assert deploy(*create_args(**{"--inference-ami-version": "default"})) == 0
@@ -174,6 +211,7 @@ def test_a_failed_step_leaves_nothing_behind(sagemaker, capsys):
         ({"--model-data": "s3://bucket/model.zip"}, "prefix ending in /"),
         ({"--startup-timeout": "7200"}, "startup timeout must be 60..3600"),
         ({"--instance-count": "0"}, "at least 1"),
+        ({"--s3-images": "s3://chat-images/uploads"}, "bucket or bucket/prefix"),
     ],
 )
 def test_bad_arguments_fail_before_any_call(sagemaker, capsys, overrides, message):
@@ -186,6 +224,13 @@ def test_the_endpoint_name_is_deploys_to_set(sagemaker, capsys):
     """Another value would file the endpoint's metrics under another endpoint."""
     assert deploy(*create_args(), "--env", "SERVE_ENDPOINT_NAME=other") == 2
     assert "SERVE_ENDPOINT_NAME is the endpoint's name, set by deploy" in capsys.readouterr().err
+    assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
+
+
+def test_s3_images_given_twice_are_refused(sagemaker, capsys):
+    intake = json.dumps({"s3_buckets": ["other"]})
+    assert deploy(*create_args(**{"--s3-images": "b"}), "--env", f"LLAVA_INTAKE={intake}") == 2
+    assert "give the buckets once" in capsys.readouterr().err
     assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
 
 

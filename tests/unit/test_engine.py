@@ -77,11 +77,12 @@ def test_kv_reuse_equals_full_recompute_over_many_turns(engine, sample, with_ima
     assert cached_before == sorted(cached_before) and cached_before[0] > 0
 
 
-@pytest.mark.parametrize("share", [False, True], ids=["unshared", "shared"])
-def test_answer_after_demotion_to_features_is_unchanged(demo_model, sample, share):
-    """Recomputed from its features; with sharing on, on the blocks it (and the hot session)
-    published, which stay reusable after it let go of them."""
-    config = EngineConfig(model_dir="-", share_prefixes=share, check_memory_when_idle=True)
+@pytest.mark.parametrize("sharing", ["off", "opening", "all"])
+def test_answer_after_demotion_to_features_is_unchanged(demo_model, sample, sharing):
+    """Recomputed from its features; with sharing on, on the blocks it (and, as far as the
+    setting allows, the hot session) published, which stay reusable after it let go of them."""
+    share = sharing != "off"
+    config = EngineConfig(model_dir="-", prefix_sharing=sharing, check_memory_when_idle=True)
     engine = Engine(demo_model, config, MemoryBudget(1 << 30))
     hot = engine.open(sample.image).session_id
     cold = engine.open(sample.image).session_id

@@ -7,11 +7,14 @@ import dataclasses
 import threading
 
 import pytest
+import torch
 
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava.errors import ShardFailed
 from llava.kv.memory import MemoryBudget
+from llava.sched.loop import device_lost
 from llava.sessions.session import Tier
 from tests.unit.test_reaper import wait_until
 
@@ -88,7 +91,8 @@ def test_seeded_sampling_in_a_batch_equals_sampling_alone(demo_model, sample):
 
 
 def test_concurrent_asks_on_one_session_run_in_arrival_order(demo_model, sample):
-    engine = new_engine(demo_model)
+    waiting = len(QUESTIONS) - 1  # behind the first: the default (0) refuses them
+    engine = Engine(demo_model, EngineConfig("-", max_waiting_asks=waiting), MemoryBudget(64 << 20))
     session_id = engine.open(sample.image).session_id
     release = threading.Event()
     blocker = threading.Thread(target=engine.loop.call, args=(release.wait,))
@@ -211,3 +215,85 @@ def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
     assert session.tier is Tier.FEATURES and session.token_ids == history
     engine.runner.next_ids = step
     assert engine.ask(failing, QUESTIONS[0]).text == a.color
+
+
+DEVICE_ASSERT = torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+
+@pytest.mark.parametrize(
+    "error, lost",
+    [
+        (DEVICE_ASSERT, True),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+        (RuntimeError("../aten/src/ATen/native/cuda/Indexing.cu: device-side assert"), True),
+        (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+        (torch.AcceleratorError("CUDA error: out of memory"), False),
+        (RuntimeError("index 95 is out of bounds for dimension 1 with size 12"), False),
+        (ValueError("CUDA error"), False),
+    ],
+)
+def test_only_errors_that_poison_the_device_lose_it(error, lost):
+    assert device_lost(error) is lost
+
+
+def test_a_step_that_loses_the_device_fails_every_request_stops_and_tells_on_fatal_once(
+    demo_model,
+):
+    a, b = held_out_samples(2, seed=62_000)
+    engine = new_engine(demo_model)
+    told: list[BaseException] = []
+    engine.on_fatal = told.append
+    first, second = engine.open(a.image).session_id, engine.open(b.image).session_id
+    release = threading.Event()
+    blocker = threading.Thread(target=engine.loop.call, args=(release.wait,))
+    blocker.start()  # the loop is held: both asks below are in flight when the step fails
+    wait_until(lambda: engine.loop._inbox.qsize() == 0, 10, "the loop to take the blocker")
+
+    def device_assert(batch):
+        raise DEVICE_ASSERT
+
+    engine.runner.next_ids = device_assert
+    outcomes: dict[str, BaseException] = {}
+
+    def ask(session_id):
+        try:
+            engine.ask(session_id, QUESTIONS[0])
+        except Exception as error:
+            outcomes[session_id] = error
+
+    threads = [threading.Thread(target=ask, args=(s,)) for s in (first, second)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: engine.loop._inbox.qsize() == 2, 10, "both asks queued")
+    release.set()
+    for thread in [blocker, *threads]:
+        thread.join(timeout=60)
+    assert all(isinstance(outcomes.get(s), ShardFailed) for s in (first, second)), outcomes
+    assert "device failed (AcceleratorError)" in outcomes[first].message
+    wait_until(lambda: not engine.loop._thread.is_alive(), 10, "the loop thread to end")
+    assert not engine.loop.alive and told == [DEVICE_ASSERT]
+    with pytest.raises(ShardFailed):  # refused at once, not queued for a loop that is gone
+        engine.ask(first, QUESTIONS[1])
+    assert told == [DEVICE_ASSERT]
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("an ordinary bug"), torch.cuda.OutOfMemoryError("CUDA out of memory")]
+)
+def test_a_step_error_that_leaves_the_device_usable_fails_its_turn_alone(demo_model, error):
+    sample = held_out_samples(1, seed=63_000)[0]
+    engine = new_engine(demo_model)
+    told: list[BaseException] = []
+    engine.on_fatal = told.append
+    session_id = engine.open(sample.image).session_id
+    step = engine.runner.next_ids
+
+    def failing_step(batch):
+        raise error
+
+    engine.runner.next_ids = failing_step
+    with pytest.raises(type(error)):
+        engine.ask(session_id, QUESTIONS[0])
+    engine.runner.next_ids = step
+    assert engine.loop.alive and told == []
+    assert engine.ask(session_id, QUESTIONS[0]).text == sample.color

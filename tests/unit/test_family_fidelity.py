@@ -199,7 +199,9 @@ def test_a_session_moved_down_a_tier_goes_on_as_hf_generate(loaded, tier):
 
 
 def test_two_sessions_on_one_image_share_its_features(loaded):
-    engine = Engine(loaded, EngineConfig(model_dir="-", share_prefixes=True), MemoryBudget(1 << 28))
+    engine = Engine(
+        loaded, EngineConfig(model_dir="-", prefix_sharing="opening"), MemoryBudget(1 << 28)
+    )
     image = picture(*IMAGE_SIZES[1])
     first = engine.open(image)
     second = engine.open(image)

@@ -100,13 +100,16 @@ def batched_and_alone(engine_for, images) -> tuple[list, list]:
     return batched, alone
 
 
-def cuda_engine(dtype: str, share_prefixes: bool = True, **options) -> Engine:
+def cuda_engine(
+    dtype: str, prefix_sharing: str = "opening", system_prompt: str = "", **options
+) -> Engine:
     config = EngineConfig(
         model_dir=str(DEMO_MODEL_DIR),
         device="cuda",
         dtype=dtype,
         session_budget_bytes=POOL_BYTES,
-        share_prefixes=share_prefixes,
+        prefix_sharing=prefix_sharing,
+        system_prompt=system_prompt,
     )
     engine = Engine.from_config(config, **options)
     engine.warm_up()  # captures the decode graphs
@@ -144,9 +147,11 @@ def test_shared_prefix_blocks_on_cuda_answer_as_an_engine_that_shares_nothing():
 
 
 def four_sessions_on(image, system: str, share: bool) -> list[tuple[int, ...]]:
-    """Two turns of four sessions on one image, asked at once (the decode graphs' batches)."""
-    engine = cuda_engine("float32", share, max_batch=4)
-    ids = [engine.open(image, system=system).session_id for _ in range(4)]
+    """Two turns of four sessions on one image and the operator's system prompt, asked at
+    once (the decode graphs' batches)."""
+    sharing = "opening" if share else "off"
+    engine = cuda_engine("float32", sharing, system, max_batch=4)
+    ids = [engine.open(image).session_id for _ in range(4)]
     assert engine.memory.stats().counters.prefix_hits == (3 if share else 0)
 
     def two_turns(session_id: str) -> tuple[int, ...]:

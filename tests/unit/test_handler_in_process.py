@@ -3,16 +3,24 @@ everything the handler can reach answers ``{"error": {"code", "message"}}``."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import os
+import re
+import threading
 
 import pytest
+import torch
 
 from demo_model.synthetic import held_out_samples
+from handlers.llava_handler import ENGINE_LOST_EXIT_CODE, LlavaHandler
+from handlers.service import LlavaService
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.kv.memory import MemoryBudget
-from scripts.handler_harness import InProcessWorker
+from scripts.handler_harness import InProcessWorker, Reply
 from tests.intake_servers import image_bytes
+from tests.unit.test_reaper import wait_until
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 
@@ -61,12 +69,15 @@ def test_any_body_gets_a_json_answer(worker, body):
     assert set(reply.json()["error"]) == {"code", "message"}
 
 
+LONG_ID = "conversation-1a2b3c4d5e6f7a8b9c0d1e2f"  # 36 of [a-z0-9]: 186 bits, kept as it is
+
+
 def test_an_id_in_use_is_refused_before_any_model_work(worker):
     b64 = base64.b64encode(image_bytes(held_out_samples(1)[0].image)).decode()
-    body = {"requestType": "NEW_SESSION", "extSessionID": "conversation-1a2b3c4d"}
+    body = {"requestType": "NEW_SESSION", "extSessionID": LONG_ID}
     first = worker.invoke({**body, "image": {"b64": b64}}, {SESSION: "NEW_SESSION"})
-    assert first.status == 200 and first.json()["sessionId"] == "conversation-1a2b3c4d"
-    assert first.headers[SESSION].startswith("conversation-1a2b3c4d; Expires=")
+    assert first.status == 200 and first.json()["sessionId"] == LONG_ID
+    assert first.headers[SESSION].startswith(f"{LONG_ID}; Expires=")
     vision_runs = []
     tower = worker.service.engine.shards[0].loaded.model.model.vision_tower
     hook = tower.register_forward_hook(lambda *_: vision_runs.append(1))
@@ -146,7 +157,7 @@ def test_usage_tier_says_where_the_turn_found_the_sessions_memory(demo_model):
 
 def test_an_open_on_a_held_image_says_what_it_reused_and_runs_no_vision_tower(worker):
     b64 = base64.b64encode(image_bytes(held_out_samples(1)[0].image)).decode()
-    body = {"requestType": "NEW_SESSION", "image": {"b64": b64}, "system": "Be brief."}
+    body = {"requestType": "NEW_SESSION", "image": {"b64": b64}}  # the operator's system prompt
     first = worker.invoke(body).json()
     assert first["usage"] == {"newTokens": first["prefillTokens"], "cachedTokens": 0}
     vision_runs = []
@@ -161,8 +172,156 @@ def test_an_open_on_a_held_image_says_what_it_reused_and_runs_no_vision_tower(wo
     assert usage["newTokens"] == second["prefillTokens"] == 0  # nothing computed at all
 
 
+def test_tenants_from_the_custom_attributes_header_share_nothing(worker):
+    b64 = base64.b64encode(image_bytes(held_out_samples(1)[0].image)).decode()
+    body = {"requestType": "NEW_SESSION", "image": {"b64": b64}}
+
+    def cached(attributes: str) -> int:
+        reply = worker.invoke(body, {"X-Amzn-SageMaker-Custom-Attributes": attributes})
+        assert reply.status == 200, reply.text
+        return reply.json()["usage"]["cachedTokens"]
+
+    assert cached("tenant=acme") == cached("trace=7; tenant=globex") == 0
+    assert cached("tenant=acme") > 0
+    refused = worker.invoke(body, {"X-Amzn-SageMaker-Custom-Attributes": "tenant="})
+    assert refused.status == 400
+    assert "X-Amzn-SageMaker-Custom-Attributes" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("system", [7, "x" * 8001], ids=["not-a-string", "too-long"])
 def test_a_bad_system_prompt_is_a_400_naming_it(worker, system):
     reply = worker.invoke({"requestType": "NEW_SESSION", "system": system})
     assert reply.status == 400 and "system" in reply.json()["error"]["message"]
     assert open_session(worker)  # the worker serves on
+
+
+@pytest.fixture
+def handler(worker, monkeypatch):
+    """The TorchServe entry point, initialized over ``worker``'s service (no model load)."""
+    monkeypatch.setattr(LlavaService, "from_context", lambda context: worker.service)
+    handler = LlavaHandler()
+    handler.initialize(worker.context)
+    yield handler
+    handler.pool.shutdown()
+
+
+async def handle(handler, worker, body, headers=None) -> Reply:
+    """One request through ``LlavaHandler.handle``, with a context of its own."""
+    context = worker.request_context(headers)
+    (final,) = await handler.handle([{"body": body}], context)
+    status, _phrase = context.get_response_status(0)
+    return Reply(status, context.get_response_headers(0), final)
+
+
+def request_threads() -> int:
+    return sum(thread.name.startswith("request_") for thread in threading.enumerate())
+
+
+def test_a_request_past_max_requests_in_flight_is_a_503_at_once_taking_no_thread(
+    handler, worker, monkeypatch
+):
+    """64 requests held in their threads; the 65th is refused on the event loop while they
+    are still held, and once they are answered the next request is served."""
+    limit = worker.service.config.max_requests_in_flight
+    entered, release = threading.Semaphore(0), threading.Event()
+
+    def held_close(session_id):
+        entered.release()
+        assert release.wait(30)
+        return None
+
+    monkeypatch.setattr(worker.service.engine, "close", held_close)
+
+    async def scenario():
+        close = {"requestType": "CLOSE_SESSION"}
+        held = [
+            asyncio.create_task(handle(handler, worker, close, {SESSION: f"s-{n}"}))
+            for n in range(limit)
+        ]
+        for _ in range(limit):
+            assert await asyncio.to_thread(entered.acquire, timeout=30)
+        threads = request_threads()
+        refused = await handle(handler, worker, {"requestType": "NEW_SESSION"})
+        assert not release.is_set() and request_threads() == threads  # no thread, no wait
+        release.set()
+        answered = await asyncio.gather(*held)
+        return refused, answered, await handle(handler, worker, {"requestType": "NEW_SESSION"})
+
+    refused, answered, later = asyncio.run(scenario())
+    assert limit == 64  # the default
+    assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "OVERLOADED"
+    assert "max_requests_in_flight" in refused.json()["error"]["message"]
+    assert {reply.status for reply in answered} == {200}
+    assert later.status == 200 and handler.in_flight == 0
+
+
+def test_a_short_chosen_id_gets_a_random_part_and_the_reply_names_the_full_id(worker):
+    """'x' counts 4.7 bits: the session opens as 'x-' and 22 random letters and digits, named
+    in the body and both session headers; a second open of 'x' is not refused (no oracle)."""
+    body = {"requestType": "NEW_SESSION", "extSessionID": "x"}
+    first = worker.invoke(body, {SESSION: "NEW_SESSION"})
+    full = first.json()["sessionId"]
+    assert first.status == 200 and re.fullmatch(r"x-[A-Za-z0-9]{22}", full)
+    expected = f"{full}; Expires={first.json()['expiresAt']}"
+    assert first.headers[SESSION] == first.headers["X-Amzn-SageMaker-New-Session-Id"] == expected
+    again = worker.invoke(body, {SESSION: "NEW_SESSION"})
+    assert again.status == 200 and again.json()["sessionId"] not in ("x", full)
+    asked = worker.invoke({"requestType": "SESSION", "inputs": "Hi"}, {SESSION: "x"})
+    assert asked.json()["error"]["code"] == "SESSION_NOT_FOUND"
+    answered = worker.invoke({"requestType": "SESSION", "inputs": "Hi"}, {SESSION: full})
+    assert answered.status == 200
+
+
+def test_a_second_ask_while_one_is_in_flight_is_a_409_at_once(worker, monkeypatch):
+    """max_waiting_asks 0: an ask of a session whose ask is still generating is refused at
+    once (SESSION_BUSY), from inside that ask's first token, so it cannot have waited for it;
+    a CANCEL_TURN then is not an ask, and the next ask is answered."""
+    for shard in worker.service.engine.shards:
+        monkeypatch.setattr(shard.store, "max_waiting_asks", 0)
+    session_id = open_session(worker)
+    ask, during = worker.service.engine.ask, {}
+
+    def ask_that_asks_again(session, question, parameters, on_token, **kwargs):
+        def first_token_asks_again(text, token_id):
+            if not during:
+                during["ask"] = worker.invoke(
+                    {"requestType": "SESSION", "inputs": "Hi"}, {SESSION: session_id}
+                )
+                during["cancel"] = worker.invoke(
+                    {"requestType": "CANCEL_TURN"}, {SESSION: session_id}
+                )
+
+        return ask(session, question, parameters, first_token_asks_again, **kwargs)
+
+    monkeypatch.setattr(worker.service.engine, "ask", ask_that_asks_again)
+    long = {"max_new_tokens": 20, "min_new_tokens": 20}
+    first = worker.invoke(
+        {"requestType": "SESSION", "inputs": "Hi", "parameters": long}, {SESSION: session_id}
+    )
+    assert first.status == 200
+    assert during["ask"].status == 409
+    assert during["ask"].json()["error"]["code"] == "SESSION_BUSY"
+    assert during["cancel"].status == 200 and during["cancel"].json()["cancelledTurns"] == 1
+    monkeypatch.undo()
+    later = worker.invoke({"requestType": "SESSION", "inputs": "Hi"}, {SESSION: session_id})
+    assert later.status == 200
+
+
+def test_a_lost_device_ends_the_worker_through_the_hook_initialize_registers(
+    handler, worker, monkeypatch
+):
+    """Left alone, a worker whose CUDA context is poisoned answers 500 for ever while /ping
+    says 200: the hook ends the process (nonzero), for the supervisor to restart."""
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    session_id = open_session(worker)
+
+    def device_assert(batch):
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(worker.service.engine.shards[0].runner, "next_ids", device_assert)
+    reply = worker.invoke({"requestType": "SESSION", "inputs": "Hi"}, {SESSION: session_id})
+    assert reply.status == 500 and reply.json()["error"]["code"] == "SHARD_FAILED"
+    wait_until(lambda: exits, 10, "the hook to end the worker")
+    assert exits == [ENGINE_LOST_EXIT_CODE] and ENGINE_LOST_EXIT_CODE != 0

@@ -24,7 +24,7 @@ def near(pixel, expected, tolerance=12):
 
 @pytest.mark.parametrize(
     ("width", "height"),
-    [(20000, 20000), (8000, 8000)],  # past PIL's own bomb limit; past only ours (50 MP)
+    [(20000, 20000), (4000, 4250)],  # past PIL's own bomb limit; past only ours (16 MP)
 )
 def test_huge_declared_size_is_refused_without_decoding(width, height):
     data = png_header(width, height)
@@ -38,6 +38,14 @@ def test_huge_declared_size_is_refused_without_decoding(width, height):
         assert tracemalloc.get_traced_memory()[1] < 10 * 1024 * 1024
     finally:
         tracemalloc.stop()
+
+
+def test_the_default_pixel_limit_is_16_megapixels():
+    with pytest.raises(ImageTooLarge, match=r"4000x4250 = 17000000 pixels.*= 16000000"):
+        decode_image(png_header(4000, 4250), POLICY)
+    # 16 MP exactly passes the limit: this header holds no pixels, so the decode fails later
+    with pytest.raises(NotAnImage, match="cannot be decoded"):
+        decode_image(png_header(4000, 4000), POLICY)
 
 
 def test_max_pixels_is_configurable():

@@ -8,6 +8,8 @@ policies: S3 answers AccessDenied as it would to a role without s3:GetObject.
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,11 +20,13 @@ from moto.core.authorization import enable_iam_authentication
 from moto.server import ThreadedMotoServer
 from PIL import Image
 
+from handlers.errors import error_response
 from llava.errors import ImageFetchFailed, ImageSourceNotAllowed, ImageTooLarge, NotAnImage
 from llava.intake import IntakePolicy, load_image
 from tests.intake_servers import forbid_non_loopback, image_bytes
 
 BUCKET = "intake-test-images"
+PROBED = "intake-probed"  # listed; whether it exists, and what it holds, is up to each test
 PNG = image_bytes(Image.new("RGB", (5, 4), (0, 128, 255)))
 
 
@@ -55,7 +59,9 @@ def s3(endpoint, monkeypatch):
 
 @pytest.fixture
 def policy(endpoint):
-    return IntakePolicy(s3_endpoint_url=endpoint, s3_region="us-east-1")
+    return IntakePolicy(
+        s3_endpoint_url=endpoint, s3_region="us-east-1", s3_buckets=frozenset({BUCKET, PROBED})
+    )
 
 
 def test_loads_an_object(s3, policy):
@@ -63,27 +69,90 @@ def test_loads_an_object(s3, policy):
     assert (image.mode, image.size, image.getpixel((0, 0))) == ("RGB", (5, 4), (0, 128, 255))
 
 
-def test_missing_key(s3, policy):
-    with pytest.raises(ImageFetchFailed, match=r"not found \(NoSuchKey\); check the bucket"):
-        load_image({"s3": f"s3://{BUCKET}/nope.png"}, policy)
+def refusal(uri: str, policy: IntakePolicy) -> tuple[int, bytes]:
+    """What the caller is answered for ``uri``: the status and the body's bytes."""
+    with pytest.raises(ImageFetchFailed) as raised:
+        load_image({"s3": uri}, policy)
+    reply = error_response(raised.value)
+    return reply.status, json.dumps(reply.payload).encode()
 
 
-def test_missing_bucket(s3, policy):
-    with pytest.raises(ImageFetchFailed, match=r"not found \(NoSuchBucket\)"):
-        load_image({"s3": "s3://no-such-bucket-here/cat.png"}, policy)
-
-
-def test_access_denied(s3, policy, endpoint, monkeypatch):
+def test_missing_bucket_missing_key_and_denied_object_look_alike(s3, policy, endpoint, monkeypatch):
+    """A caller must not learn which buckets and keys exist: the same URI gets the same bytes
+    whether its bucket is missing, its key is missing, or the server's role may not read it."""
+    uri = f"s3://{PROBED}/cat.png"
+    no_bucket = refusal(uri, policy)
+    s3.create_bucket(Bucket=PROBED)
+    no_key = refusal(uri, policy)
+    s3.put_object(Bucket=PROBED, Key="cat.png", Body=PNG)
     iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
     iam.create_user(UserName="no-permissions")
     key = iam.create_access_key(UserName="no-permissions")["AccessKey"]
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-    with (
-        enable_iam_authentication(),
-        pytest.raises(ImageFetchFailed, match=r"\(AccessDenied\).*s3:GetObject"),
-    ):
+    with enable_iam_authentication():
+        denied = refusal(uri, policy)
+    assert no_bucket == no_key == denied
+    status, body = denied
+    assert status == 424 and b"s3:GetObject" in body
+    assert not any(code in body for code in (b"NoSuch", b"AccessDenied", b"404", b"403"))
+
+
+@pytest.fixture
+def no_network(monkeypatch) -> list:
+    """Every connection attempted, refused: a refusal by policy must come before any."""
+    attempts = []
+
+    def connect(self, address):
+        attempts.append(address)
+        raise OSError("the test allows no connection")
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    return attempts
+
+
+@pytest.mark.parametrize(
+    "listed, message",
+    [((), r"s3:// images are off: intake\.s3_buckets is empty"), (("other-bucket",), "no intake")],
+)
+def test_an_unlisted_bucket_is_refused_before_any_network_call(no_network, listed, message):
+    policy = IntakePolicy(s3_buckets=frozenset(listed))
+    with pytest.raises(ImageSourceNotAllowed, match=message) as raised:
         load_image({"s3": f"s3://{BUCKET}/cat.png"}, policy)
+    assert error_response(raised.value).status == 403
+    assert "intake.s3_buckets" in raised.value.message
+    assert no_network == []
+
+
+@pytest.mark.parametrize(
+    "key, permitted",
+    [
+        ("cats/cat.png", True),
+        ("cats/2024/cat.png", True),
+        ("catsup.png", False),  # a prefix matches whole path segments only
+        ("cats", False),
+        ("dogs/cats/cat.png", False),
+    ],
+)
+def test_a_prefix_entry_permits_the_keys_under_it(s3, policy, no_network, key, permitted):
+    narrowed = IntakePolicy(**{**vars(policy), "s3_buckets": frozenset({f"{BUCKET}/cats/"})})
+    assert narrowed.s3_permits(BUCKET, key) is permitted
+    if not permitted:
+        with pytest.raises(ImageSourceNotAllowed, match=r"intake\.s3_buckets"):
+            load_image({"s3": f"s3://{BUCKET}/{key}"}, narrowed)
+        assert no_network == []
+
+
+def test_an_object_under_a_listed_prefix_loads(s3, policy):
+    s3.put_object(Bucket=BUCKET, Key="cats/2024/cat.png", Body=PNG)
+    narrowed = IntakePolicy(**{**vars(policy), "s3_buckets": frozenset({f"{BUCKET}/cats"})})
+    assert load_image({"s3": f"s3://{BUCKET}/cats/2024/cat.png"}, narrowed).size == (5, 4)
+
+
+@pytest.mark.parametrize("entry", ["Bad_Bucket", "b", "bucket//cats", "/cats"])
+def test_a_malformed_entry_is_refused_when_the_settings_are_built(entry):
+    with pytest.raises(ValueError, match=r"intake\.s3_buckets: bad entry"):
+        IntakePolicy(s3_buckets=frozenset({entry}))
 
 
 def test_object_too_large(s3, policy):
@@ -98,14 +167,10 @@ def test_object_that_is_not_an_image(s3, policy):
         load_image({"s3": f"s3://{BUCKET}/notes.png"}, policy)
 
 
-def test_bucket_allowlist(s3, policy):
-    narrowed = IntakePolicy(**{**vars(policy), "s3_buckets": frozenset({"other-bucket"})})
-    with pytest.raises(ImageSourceNotAllowed, match=r"intake\.s3_buckets"):
-        load_image({"s3": f"s3://{BUCKET}/cat.png"}, narrowed)
-
-
 def test_unreachable_endpoint_is_a_fetch_failure(s3):
-    policy = IntakePolicy(s3_endpoint_url="http://127.0.0.1:9", s3_region="us-east-1")
+    policy = IntakePolicy(
+        s3_endpoint_url="http://127.0.0.1:9", s3_region="us-east-1", s3_buckets=frozenset({BUCKET})
+    )
     with pytest.raises(ImageFetchFailed, match="cannot fetch"):
         load_image({"s3": f"s3://{BUCKET}/cat.png"}, policy)
 
@@ -121,10 +186,10 @@ def test_the_engine_imports_and_serves_without_boto3():
         from llava.config import EngineConfig
         from llava.engine import Engine
         from llava.errors import ImageFetchFailed
-        from llava.intake import load_image
+        from llava.intake import IntakePolicy, load_image
         EngineConfig(model_dir="m", intake={"s3_buckets": ["b-1"]})
         try:
-            load_image({"s3": "s3://b-1/k.png"})
+            load_image({"s3": "s3://b-1/k.png"}, IntakePolicy(s3_buckets=frozenset({"b-1"})))
         except ImageFetchFailed as e:
             print(e)
         """

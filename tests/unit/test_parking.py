@@ -12,7 +12,7 @@ import pytest
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.errors import SessionNotFound
+from llava.errors import SessionNotFound, log_id
 from llava.kv.memory import MemoryBudget, Tier
 
 SESSIONS = 20
@@ -88,7 +88,8 @@ def test_without_the_persistent_tier_the_same_sessions_are_evicted_and_told_so(
     lost = [i for i, answered in zip(ids, answers, strict=True) if "SESSION_EVICTED" in answered]
     assert lost and engine.stats().memory.evicted >= len(lost)
     assert engine.stats().memory.parked == 0
-    assert all(f"session {i} evicted to free device memory" in caplog.text for i in lost)
+    assert all(f"session {log_id(i)} evicted to free device memory" in caplog.text for i in lost)
+    assert not any(i in caplog.text for i in ids)  # a log names a session by its hash only
 
 
 def test_a_parked_session_whose_entry_is_unreadable_is_evicted_alone(
@@ -97,7 +98,7 @@ def test_a_parked_session_whose_entry_is_unreadable_is_evicted_alone(
     images, expected, _one_session = control
     # nothing shared: a parked session's features stay reusable in the pool until their room
     # is needed, under their image's key, and would come back from there
-    engine = engine_for_one_session(demo_model, control, tmp_path, share_prefixes=False)
+    engine = engine_for_one_session(demo_model, control, tmp_path, prefix_sharing="off")
     damaged, kept = (engine.open(image).session_id for image in images[:2])
     holding = engine.store.session(damaged).holding
     while holding.tier is not Tier.PERSISTED:
@@ -110,7 +111,9 @@ def test_a_parked_session_whose_entry_is_unreadable_is_evicted_alone(
     ):
         engine.ask(damaged, QUESTIONS[0], SHORT)
     assert gone.value.code == "SESSION_EVICTED"
-    assert f"session {damaged} evicted: its persisted features are unreadable" in caplog.text
+    assert (
+        f"session {log_id(damaged)} evicted: its persisted features are unreadable" in caplog.text
+    )
     assert engine.close(damaged) == "SESSION_EVICTED"
     assert engine.ask(kept, QUESTIONS[0], SHORT).token_ids == expected[1][0]
     engine.check_integrity()

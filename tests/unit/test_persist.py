@@ -4,18 +4,27 @@ and never used (docs/engine/sessions.md §Persistent tier)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
-from llava.errors import SessionNotFound
+from llava.errors import SessionNotFound, log_id
 from llava.kv.memory import MemoryBudget
+from llava.model import weights_digest as weights
+from llava.model.loading import load_model
+from llava.model.weights_digest import RECORD
 from llava.sessions.persist import (
     FEATURES,
     GONE_LOG,
@@ -27,10 +36,13 @@ from llava.sessions.persist import (
 )
 from llava.sessions.session import Tier
 from serving.interrupted import StreamEnd
+from tests.conftest import DEMO_MODEL_DIR
 from tests.memory_helpers import FakeClock, one_pixel_changed
 
 QUESTIONS = ["What shape is it?", "And its color?", "Say that again.", "What color is the shape?"]
 MODEL = "model-a"
+VOCAB = 100  # the journal-only tests' vocabulary: ids 0..99
+TTL = 600.0  # the journal-only tests' session TTL: how long gone ids are remembered
 
 
 def new_engine(demo_model, directory, clock=time.monotonic, **settings) -> Engine:
@@ -53,13 +65,16 @@ def test_a_new_engine_continues_a_session_as_if_nothing_happened(demo_model, sam
     answers = [first.ask(opened.session_id, q).text for q in QUESTIONS[:3]]
     first.stop()  # the worker "dies": nothing of it is used below but the directory
     (tmp_path / "tier" / "junk.state").write_bytes(b"\x00" * 100)  # never crashes the start
-    SessionJournal(tmp_path / "tier", 1 << 20, "another-model").save(snapshot("foreign"))
+    SessionJournal(tmp_path / "tier", 1 << 20, "another-model", VOCAB, TTL).save(
+        snapshot("foreign")
+    )
 
     second = new_engine(demo_model, tmp_path / "tier")
     assert second.adopted == 1
     assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == [
         f"{opened.session_id}.features",
         f"{opened.session_id}.state",
+        RECORD,  # the weights' digest, kept so that a restart does not rehash them
     ]
     session = second.store.session(opened.session_id)
     assert session.tier is Tier.PERSISTED and session.turns == 3  # adopted parked
@@ -92,17 +107,18 @@ def test_close_and_expiry_remove_entries(demo_model, sample, tmp_path):
     assert not list(tmp_path.glob(f"{closed}.*"))
     clock.now += 1.5
     assert engine.store.reap() == 1
-    assert [p.name for p in tmp_path.iterdir()] == [GONE_LOG]  # only why they went
-    assert (tmp_path / GONE_LOG).read_text().splitlines() == [
+    assert sorted(p.name for p in tmp_path.iterdir()) == [GONE_LOG, RECORD]  # why they went
+    lines = (tmp_path / GONE_LOG).read_text().splitlines()
+    assert [line.rsplit(" ", 1)[0] for line in lines] == [  # each with when it went
         f"{closed} SESSION_CLOSED",
         f"{expiring} SESSION_EXPIRED",
     ]
 
 
 def test_entries_of_another_model_are_removed_with_a_log_line(tmp_path, caplog):
-    SessionJournal(tmp_path, 1 << 20, "model-b").save(snapshot(), torch.ones(4, 8))
+    SessionJournal(tmp_path, 1 << 20, "model-b", VOCAB, TTL).save(snapshot(), torch.ones(4, 8))
     with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
-        assert SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()).live == []
+        assert SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL).load(time.time()).live == []
     assert "another model's entry" in caplog.text
     assert not list(tmp_path.iterdir())
 
@@ -110,7 +126,7 @@ def test_entries_of_another_model_are_removed_with_a_log_line(tmp_path, caplog):
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
 @pytest.mark.parametrize("suffix", [STATE, FEATURES])
 def test_corrupt_or_truncated_entries_are_removed(tmp_path, caplog, damage, suffix):
-    journal = SessionJournal(tmp_path, 1 << 20, MODEL)
+    journal = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL)
     journal.save(snapshot("bad"), torch.ones(4, 8))
     journal.save(snapshot("good"), torch.ones(4, 8))
     path = tmp_path / f"bad{suffix}"
@@ -121,30 +137,30 @@ def test_corrupt_or_truncated_entries_are_removed(tmp_path, caplog, damage, suff
         "empty": b"",
     }[damage]
     path.write_bytes(damaged)
-    reopened = SessionJournal(tmp_path, 1 << 20, MODEL)
+    reopened = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL)
     with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
         adopted = reopened.load(time.time()).live
     assert [e.snapshot.session_id for e in adopted] == ["good"]
     assert adopted[0].features_shape == (4, 8)
     assert torch.equal(reopened.features("good"), torch.ones(4, 8))
-    assert "bad" in caplog.text
+    assert log_id("bad") in caplog.text  # logs name a session by a keyed hash of its id
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.features", "good.state"]
 
 
 def test_expired_orphaned_and_unfinished_files_are_removed(tmp_path):
-    journal = SessionJournal(tmp_path, 1 << 20, MODEL)
+    journal = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL)
     journal.save(snapshot("old", last_used=time.time() - 120, ttl_s=60))
     journal.save(snapshot("orphan"), torch.ones(2, 2))
     (tmp_path / "orphan.state").unlink()
     (tmp_path / ".tmp-live.state-1-2").write_bytes(b"half")
     journal.save(snapshot("live"))
-    adopted = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time()).live
+    adopted = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL).load(time.time()).live
     assert [e.snapshot.session_id for e in adopted] == ["live"]
     assert [p.name for p in tmp_path.iterdir()] == ["live.state"]
 
 
 def test_an_id_that_is_no_file_name_is_not_persisted(tmp_path):
-    journal = SessionJournal(tmp_path / "d", 1 << 20, MODEL)
+    journal = SessionJournal(tmp_path / "d", 1 << 20, MODEL, VOCAB, TTL)
     (tmp_path / "d").mkdir()
     assert journal.save(snapshot("../escape")) is False
     assert not list(tmp_path.rglob("*escape*"))
@@ -153,17 +169,17 @@ def test_an_id_that_is_no_file_name_is_not_persisted(tmp_path):
 def test_the_directory_never_grows_past_its_cap(tmp_path, caplog):
     (tmp_path / "probe").mkdir()
     (tmp_path / "cap").mkdir()
-    probe = SessionJournal(tmp_path / "probe", 1 << 20, MODEL)
+    probe = SessionJournal(tmp_path / "probe", 1 << 20, MODEL, VOCAB, TTL)
     probe.save(snapshot("probe"), torch.ones(64, 64))
     per_session = probe.total_bytes
-    journal = SessionJournal(tmp_path / "cap", int(per_session * 2.5), MODEL)
+    journal = SessionJournal(tmp_path / "cap", int(per_session * 2.5), MODEL, VOCAB, TTL)
     with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
         kept = [journal.save(snapshot(f"s{i}"), torch.ones(64, 64)) for i in range(4)]
     assert kept == [True, True, False, False]
     assert "directory is full" in caplog.text
     assert sum(p.stat().st_size for p in (tmp_path / "cap").iterdir()) <= journal.max_bytes
     # a lower cap at the next start keeps the most recent entries that fit
-    smaller = SessionJournal(tmp_path / "cap", per_session, MODEL)
+    smaller = SessionJournal(tmp_path / "cap", per_session, MODEL, VOCAB, TTL)
     assert [e.snapshot.session_id for e in smaller.load(time.time()).live] == ["s1"]
     assert sorted(p.name for p in (tmp_path / "cap").iterdir()) == ["s1.features", "s1.state"]
 
@@ -199,7 +215,7 @@ def test_a_restarted_worker_adopts_more_sessions_than_its_device_holds_and_loses
     held = [first.open(image).session_id for image in images]
     answers = [[first.ask(i, QUESTIONS[0], short).token_ids] for i in held]
     first.stop()
-    SessionJournal(tmp_path / "tier", 1 << 20, first.journal.model).save(
+    SessionJournal(tmp_path / "tier", 1 << 20, first.journal.model, VOCAB, TTL).save(
         snapshot("idle", last_used=time.time() - 120, ttl_s=60)  # expired while down
     )
     config = EngineConfig(model_dir="unused", persist_dir=str(tmp_path / "tier"))
@@ -309,14 +325,174 @@ def test_a_failing_write_never_fails_the_turn(demo_model, sample, tmp_path, monk
 
     monkeypatch.setattr(engine.journal, "save", broken)
     assert engine.ask(session_id, QUESTIONS[0]).text == sample.shape
-    assert not list(tmp_path.iterdir())  # not persisted any more, rather than stale
+    assert [p.name for p in tmp_path.iterdir()] == [RECORD]  # not persisted, rather than stale
 
 
-def test_the_gone_log_keeps_only_the_newest_ids(tmp_path, monkeypatch):
+def test_the_gone_log_keeps_each_id_one_ttl_by_time_however_many(tmp_path, monkeypatch):
     monkeypatch.setattr("llava.sessions.persist.REMEMBERED_GONE", 3)
-    journal = SessionJournal(tmp_path, 1 << 20, MODEL)
-    for n in range(10):
+    clock = [1_000_000.0]
+    monkeypatch.setattr("llava.sessions.persist.time.time", lambda: clock[0])
+    journal = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL)
+    for n in range(10):  # more than any count it keeps, all within one TTL
         journal.remove(f"s{n}", "SESSION_CLOSED")
-        assert len((tmp_path / GONE_LOG).read_text().splitlines()) <= 6  # twice what is kept
-    loaded = SessionJournal(tmp_path, 1 << 20, MODEL).load(time.time())
-    assert loaded.gone == {f"s{n}": "SESSION_CLOSED" for n in (7, 8, 9)}
+        clock[0] += 1
+    assert len((tmp_path / GONE_LOG).read_text().splitlines()) == 10
+    clock[0] += TTL - 5.5  # s0..s4 went more than a TTL ago, s5..s9 less
+    for n in range(10, 17):  # past twice what was kept: rewritten without the old ones
+        journal.remove(f"s{n}", "SESSION_EXPIRED")
+    assert "s0 " not in (tmp_path / GONE_LOG).read_text()
+    loaded = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL).load(clock[0])
+    assert loaded.gone == {f"s{n}": "SESSION_CLOSED" for n in range(5, 10)} | {
+        f"s{n}": "SESSION_EXPIRED" for n in range(10, 17)
+    }
+    much_later = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL).load(clock[0] + 2 * TTL)
+    assert list(much_later.gone) == ["s14", "s15", "s16"]  # the newest REMEMBERED_GONE
+
+
+# -- the tier on a shared host ------------------------------------------------------------
+
+
+def test_the_directory_and_the_gone_log_are_private(tmp_path, monkeypatch):
+    monkeypatch.setattr("llava.sessions.persist.REMEMBERED_GONE", 1)
+    previous = os.umask(0o022)  # the usual umask: files made with defaults would be 0644
+    try:
+        directory = tmp_path / "shm" / "sessions"
+        check_directory(str(directory), None)
+        journal = SessionJournal(directory, 1 << 20, MODEL, VOCAB, TTL)
+        journal.remove("s1", "SESSION_CLOSED")
+        appended = (directory / GONE_LOG).stat().st_mode & 0o777
+        for n in range(3):  # past twice what is kept: the log is rewritten
+            journal.remove(f"s{n}", "SESSION_CLOSED")
+        rewritten = (directory / GONE_LOG).stat().st_mode & 0o777
+    finally:
+        os.umask(previous)
+    assert directory.stat().st_mode & 0o777 == 0o700
+    assert (appended, rewritten) == (0o600, 0o600)
+
+
+def own_directory(path: Path, mode: int) -> Path:
+    path.mkdir()
+    path.chmod(mode)
+    return path
+
+
+def link_to_a_private_directory(path: Path) -> None:
+    own_directory(path.with_name("real"), 0o700)
+    path.symlink_to(path.with_name("real"))
+
+
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (link_to_a_private_directory, "a symbolic link"),
+        (functools.partial(own_directory, mode=0o770), r"writable by its group .*\(mode 770\)"),
+        (functools.partial(own_directory, mode=0o1777), r"writable by its group .*\(mode 777\)"),
+    ],
+    ids=["symlink", "group-writable", "world-writable"],
+)
+def test_an_unsafe_directory_fails_the_start_in_one_line(tmp_path, make, problem):
+    make(tmp_path / "sessions")
+    config = EngineConfig(model_dir="x", persist_dir=str(tmp_path / "sessions"))
+    with pytest.raises(SettingsError, match=f"^bad setting persist_dir: .*{problem}") as refused:
+        persistence(config)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_directory_of_another_user_fails_the_start(tmp_path, monkeypatch):
+    """Faked: the tests run as one user, so this process claims another uid (os.geteuid)."""
+    directory = own_directory(tmp_path / "sessions", 0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: directory.stat().st_uid + 1)
+    config = EngineConfig(model_dir="x", persist_dir=str(directory))
+    with pytest.raises(SettingsError, match="^bad setting persist_dir: .*belongs to uid"):
+        persistence(config)
+
+
+def test_a_directory_under_one_others_may_change_fails_the_start(tmp_path):
+    shared = own_directory(tmp_path / "shared", 0o777)  # no sticky bit: entries can be renamed
+    with pytest.raises(SettingsError, match=r"^bad setting persist_dir: .*shared, above it, may"):
+        check_directory(str(shared / "sessions"), None)
+    shared.chmod(0o1777)  # as /dev/shm and /tmp are
+    assert check_directory(str(shared / "sessions"), None) > 0
+
+
+def test_an_own_directory_others_may_read_is_narrowed(tmp_path):
+    directory = own_directory(tmp_path / "sessions", 0o755)  # as an older start left it
+    check_directory(str(directory), None)
+    assert directory.stat().st_mode & 0o777 == 0o700
+
+
+def test_adopted_token_ids_outside_the_vocabulary_are_dropped(tmp_path, caplog):
+    journal = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL)
+    for session_id, ids in (("past-end", [1, VOCAB]), ("negative", [-1, 2]), ("good", [0, 99])):
+        journal.save(Snapshot(session_id, ids, [], 1, time.time(), 60.0))
+    with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
+        adopted = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL).load(time.time()).live
+    assert [e.snapshot.session_id for e in adopted] == ["good"]
+    assert caplog.text.count("token ids outside the vocabulary (0..99)") == 2
+    assert [p.name for p in tmp_path.iterdir()] == [f"good{STATE}"]
+
+
+@pytest.fixture
+def model_copy(tmp_path, monkeypatch):
+    """The demo checkpoint copied where a test may change it; no digest known in-process."""
+    monkeypatch.setattr(weights, "_known", {})
+    return Path(shutil.copytree(DEMO_MODEL_DIR, tmp_path / "model"))
+
+
+def change_one_weight(model_dir: Path) -> None:
+    """A "fine-tune" of the same shape: one value changed, the file's size unchanged."""
+    path = model_dir / "model.safetensors"
+    size = path.stat().st_size
+    with safe_open(path, "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] += 1
+    save_file(tensors, path, metadata)
+    assert path.stat().st_size == size
+
+
+def test_the_weights_are_hashed_once_and_again_when_a_file_changes(
+    model_copy, tmp_path, monkeypatch
+):
+    hashed = []
+    real = weights._hash
+    monkeypatch.setattr(weights, "_hash", lambda files: hashed.append(files) or real(files))
+    model_files = sorted(p.name for p in model_copy.iterdir())
+    model_copy.chmod(0o555)  # read-only, as /opt/ml/model is on SageMaker
+    records = tmp_path / "records"
+    records.mkdir()
+
+    first = weights.weights_digest(model_copy, records)
+    assert len(hashed) == 1
+    assert (records / weights.RECORD).stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in model_copy.iterdir()) == model_files  # nothing written there
+    monkeypatch.setattr(weights, "_known", {})  # a restarted worker: only the record is left
+    assert weights.weights_digest(model_copy, records) == first and len(hashed) == 1
+
+    model_copy.chmod(0o755)
+    change_one_weight(model_copy)
+    changed = weights.weights_digest(model_copy, records)
+    assert changed != first and len(hashed) == 2
+
+
+def test_a_fine_tune_of_the_same_shape_does_not_adopt_the_old_models_sessions(
+    model_copy, sample, tmp_path, caplog
+):
+    first = new_engine(load_model(str(model_copy)), tmp_path / "tier")
+    session_id = first.open(sample.image).session_id
+    first.ask(session_id, QUESTIONS[0])
+    first.stop()
+    change_one_weight(model_copy)
+    tuned = load_model(str(model_copy))
+    with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
+        second = new_engine(tuned, tmp_path / "tier")
+    assert second.adopted == 0 and "another model's entry" in caplog.text
+    assert second.journal.model != first.journal.model
+    with pytest.raises(SessionNotFound):
+        second.ask(session_id, QUESTIONS[1])
+
+
+def test_a_model_built_in_memory_cannot_keep_sessions(demo_model, tmp_path):
+    in_memory = dataclasses.replace(demo_model, model_dir=None)
+    with pytest.raises(SettingsError, match="^bad setting persist_dir: .*loaded from a directory"):
+        new_engine(in_memory, tmp_path)

@@ -55,6 +55,48 @@ def test_open_carries_the_sessions_system_prompt_to_the_engine():
     assert request == OpenSession(image=None, system="Be brief.")
 
 
+ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+
+
+@pytest.mark.parametrize(
+    ("value", "tenant"),
+    [
+        ("tenant=acme", "acme"),
+        ("trace=7; Tenant = acme-eu ,other=x", "acme-eu"),  # any order, spaces, any case
+        ("tenant=a=b", "a=b"),
+        ("trace=7,,;", None),
+        ("", None),
+    ],
+)
+def test_the_tenant_is_read_from_the_custom_attributes_header(value, tenant):
+    request = parse_request({"requestType": "NEW_SESSION"}, {ATTRIBUTES.lower(): value})
+    assert request == OpenSession(image=None, tenant=tenant)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "tenant",
+        "tenant=",
+        "tenant= ;x=1",
+        "tenant=a;tenant=a",
+        "tenant=caf\u00e9",
+        "tenant=a\n",
+        "tenant=" + "x" * 1018,  # 1,025 characters
+        b"tenant=\xff",
+    ],
+)
+def test_a_malformed_custom_attributes_header_is_a_400_naming_it(value):
+    with pytest.raises(InvalidRequest, match=ATTRIBUTES) as err:
+        parse_request({"requestType": "NEW_SESSION"}, {ATTRIBUTES: value})
+    assert error_response(err.value).status == 400
+
+
+def test_the_custom_attributes_header_is_read_on_an_open_only():
+    headers = {SESSION_HEADER: SID, ATTRIBUTES: "tenant="}  # malformed, and not read
+    assert parse_request({"requestType": "CLOSE_SESSION"}, headers) == CloseSession(SID)
+
+
 def test_open_keeps_a_well_formed_image_source():
     source = {"url": "https://example.com/cat.png"}
     request = parse_request(json.dumps({"requestType": "NEW_SESSION", "image": source}), {})
@@ -367,3 +409,47 @@ def test_a_parameter_value_is_repeated_bounded(name):
             {name: [LONG]}, default_max_new_tokens=64, max_new_tokens_limit=512
         )
     assert LONG[:200] not in raised.value.message and "10,0" in raised.value.message
+
+
+def deep_body(depth: int) -> str:
+    """An ask whose 'inputs' is ``depth`` lists deep, as JSON text."""
+    return '{"requestType": "SESSION", "inputs": ' + "[" * depth + "]" * depth + "}"
+
+
+@pytest.mark.parametrize(
+    "body, headers, field",
+    [
+        ('{"requestType": "SESSION", "inputs": "hi \\ud800"}', {SESSION_HEADER: SID}, "'inputs'"),
+        ('{"requestType": "NEW_SESSION", "system": "\\udfff be terse"}', {}, "'system'"),
+        ('{"requestType": "NEW_SESSION", "image": {"url": "http://x/\\ud800"}}', {}, "'image'"),
+        ('{"requestType": "NEW_SESSION", "\\ud800": 1}', {}, "'\\ud800'"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_its_field(body, headers, field):
+    """TorchServe json-decodes the escape "\\ud800" into a str that encodes as no UTF-8 (the
+    tokenizer raised TypeError on it, a 500 that counted against the shard)."""
+    for sent in (body, json.loads(body)):  # as bytes it could not parse, and as it parsed them
+        with pytest.raises(InvalidRequest) as err:
+            parse_request(sent, headers)
+        assert err.value.code == "INVALID_REQUEST"
+        assert err.value.message.startswith(f"{field} is not UTF-8 text")
+        assert error_response(err.value).status == 400
+
+
+@pytest.mark.parametrize("depth", [33, 900, 10_000])
+def test_a_body_nested_too_deeply_is_a_400(depth):
+    """10,000 deep: json.loads raises RecursionError (TorchServe's own parse then hands the
+    bytes over); 900 deep it parses, and nothing after may recurse through it."""
+    body = deep_body(depth)
+    for sent in (body, body.encode()):
+        with pytest.raises(InvalidRequest) as err:
+            parse_request(sent, {SESSION_HEADER: SID})
+        assert err.value.code == "INVALID_REQUEST" and "nests deeper than 32" in err.value.message
+    if depth < 1000:  # what TorchServe's json.loads hands over when it could parse it
+        with pytest.raises(InvalidRequest, match="'inputs' nests deeper than 32"):
+            parse_request(json.loads(body), {SESSION_HEADER: SID})
+
+
+def test_a_body_nested_to_the_bound_is_parsed():
+    request = parse_request(deep_body(31), {SESSION_HEADER: SID})
+    assert isinstance(request, AskSession)  # the engine refuses a list as the question

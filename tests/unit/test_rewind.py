@@ -20,8 +20,13 @@ FOLLOW_UP = "And its shape?"
 
 
 def new_engine(demo_model, tmp_path, name: str, share: bool = False) -> Engine:
+    """``share``: every block is shared ("all"), so another session's turns can be the very
+    blocks a rewind crops into; else nothing is."""
     config = EngineConfig(
-        model_dir="-", share_prefixes=share, persist_dir=str(tmp_path / name), session_ttl_s=600
+        model_dir="-",
+        prefix_sharing="all" if share else "off",
+        persist_dir=str(tmp_path / name),
+        session_ttl_s=600,
     )
     return Engine(demo_model, config, MemoryBudget(1 << 30, host_bytes=1 << 28))
 

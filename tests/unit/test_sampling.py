@@ -79,3 +79,21 @@ def test_noise_is_uniform_in_the_open_unit_interval():
     assert noise.min() > 0 and noise.max() < 1
     assert abs(noise.mean().item() - 0.5) < 0.01
     assert not torch.equal(noise[0], noise[1])
+
+
+def test_a_top_k_past_the_vocabulary_cuts_nothing_and_leaves_its_batch_alone():
+    """The wire allows top_k up to 1,000,000, more than any vocabulary: min(top_k, vocab), as
+    HF's TopKLogitsWarper (unclamped, it indexed past the row: a 500, or on a GPU a
+    device-side assert)."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, VOCAB)
+    greedy = sampler().sample(logits[:1], [chooser()])
+
+    def row(top_k: int) -> Chooser:
+        return chooser(seed=5, do_sample=True, temperature=1.5, top_k=top_k)
+
+    ids = sampler().sample(logits, [chooser(), row(10**6)])
+    assert ids[0] == greedy[0]
+    no_cut = sampler().sample(logits[1:], [row(0)])
+    assert ids[1] == no_cut[0] == sampler().sample(logits[1:], [row(VOCAB)])[0]
+    assert ids[1].item() not in BANNED

@@ -12,9 +12,9 @@ from demo_model.synthetic import held_out_samples
 from llava import shards as shards_module
 from llava.config import EngineConfig, SettingsError, load_config
 from llava.engine import Engine
-from llava.errors import SessionIdInUse, SessionNotFound, ShardFailed
+from llava.errors import InvalidRequest, SessionIdInUse, SessionNotFound, ShardFailed
 from llava.kv.memory import MemoryBudget, Tier
-from llava.shards import ShardedEngine, image_open_bytes
+from llava.shards import FAILURES_UNTIL_UNREADY, ShardedEngine, image_open_bytes
 from scripts.handler_harness import InProcessWorker
 from tests.conftest import DEMO_MODEL_DIR
 from tests.memory_helpers import FakeClock
@@ -39,7 +39,7 @@ def sharded(clock):
         host_budget_bytes=HOST_BUDGET,
         session_ttl_s=60,
         # these tests reuse images and count bytes: every open computes and holds its own
-        share_prefixes=False,
+        prefix_sharing="off",
     )
     engine = ShardedEngine.from_config(config, clock=clock)
     yield engine
@@ -91,6 +91,19 @@ def test_an_open_goes_to_the_shard_that_holds_its_image_while_it_has_room(images
         again = sharded.open(images[0])
         assert sharded.shard_of(again.session_id) == holder and again.cached_tokens > 0
         assert sharded.shard_of(sharded.open(images[1]).session_id) != holder  # the emptier
+    finally:
+        sharded.stop()
+
+
+def test_an_open_of_another_tenant_is_placed_as_if_no_shard_held_its_image(images):
+    config = EngineConfig(model_dir=str(DEMO_MODEL_DIR), device="cpu,cpu")
+    sharded = ShardedEngine.from_config(config)
+    try:
+        holder = sharded.shard_of(sharded.open(images[0], tenant="acme").session_id)
+        other = sharded.open(images[0], tenant="globex")  # to the emptier shard, computed anew
+        assert sharded.shard_of(other.session_id) != holder and other.cached_tokens == 0
+        same = sharded.open(images[0], tenant="acme")
+        assert sharded.shard_of(same.session_id) == holder and same.cached_tokens > 0
     finally:
         sharded.stop()
 
@@ -225,14 +238,14 @@ def test_memory_is_accounted_per_shard_exactly(sharded, images):
 
 
 def test_a_chosen_id_is_unique_across_the_shards(sharded, images):
-    first = sharded.open(images[0], "conversation-29").session_id
+    first = sharded.open(images[0], "conversation-29-7f3a9c2e1b4d6a8f0c5e").session_id
     assert sharded.shard_of(first) == 0
     with pytest.raises(SessionIdInUse):  # placement would pick shard 1: it is still refused
-        sharded.open(images[1], "conversation-29")
+        sharded.open(images[1], "conversation-29-7f3a9c2e1b4d6a8f0c5e")
     sharded.close(first)
     with pytest.raises(SessionIdInUse, match="used recently"):
-        sharded.open(images[1], "conversation-29")
-    assert sharded.close("conversation-29") == "SESSION_CLOSED"
+        sharded.open(images[1], "conversation-29-7f3a9c2e1b4d6a8f0c5e")
+    assert sharded.close("conversation-29-7f3a9c2e1b4d6a8f0c5e") == "SESSION_CLOSED"
     with pytest.raises(SessionNotFound, match="not known to this server"):
         sharded.ask("never-opened", "Hi")
 
@@ -244,7 +257,7 @@ def test_one_chosen_id_opened_twice_at_once_opens_once(sharded, images):
     def client(image):
         start.wait()
         try:
-            results.append(sharded.open(image, "raced-29").session_id)
+            results.append(sharded.open(image, "raced-29-7f3a9c2e1b4d6a8f0c5e").session_id)
         except SessionIdInUse as error:
             results.append(error)
 
@@ -254,18 +267,18 @@ def test_one_chosen_id_opened_twice_at_once_opens_once(sharded, images):
     for thread in threads:
         thread.join(timeout=60)
     assert sorted(map(type, results), key=str) == sorted([str, SessionIdInUse], key=str)
-    assert sum("raced-29" in engine.store for engine in sharded.shards) == 1
+    assert sum("raced-29-7f3a9c2e1b4d6a8f0c5e" in engine.store for engine in sharded.shards) == 1
     sharded.check_integrity()
-    sharded.close("raced-29")
+    sharded.close("raced-29-7f3a9c2e1b4d6a8f0c5e")
 
 
 def test_a_session_the_facade_did_not_open_is_found_on_its_shard(sharded, images):
     """As a session re-attached by a shard at start would be: opened on shard 1 directly."""
-    direct = sharded.shards[1].open(images[0], "direct-29").session_id
+    direct = sharded.shards[1].open(images[0], "direct-29-7f3a9c2e1b4d6a8f0c5e").session_id
     assert sharded.shard_of(direct) == 1
     assert sharded.ask(direct, QUESTIONS[0]).text
     with pytest.raises(SessionIdInUse):
-        sharded.open(images[1], "direct-29")
+        sharded.open(images[1], "direct-29-7f3a9c2e1b4d6a8f0c5e")
     sharded.check_integrity()
     assert sharded.close(direct) is None
 
@@ -381,3 +394,54 @@ def test_a_restarted_two_shard_worker_continues_each_session_on_its_shard(images
             assert second.shard_of(session_id) == home
     finally:
         second.stop()
+
+
+def test_a_top_k_past_the_vocabulary_is_answered_and_its_shard_stays_ready(sharded, images):
+    """The wire allows top_k up to 1,000,000: it cuts nothing past the vocabulary (unclamped
+    it indexed past the logits row, a SHARD_FAILED counted against the shard)."""
+    session_id = sharded.open(images[0]).session_id
+    params = {"top_k": 1_000_000, "seed": 3, "max_new_tokens": 4}
+    answer = sharded.ask(session_id, QUESTIONS[0], params)
+    assert answer.finished or len(answer.token_ids) == 4
+    assert [s.ready for s in sharded.stats()] == [True, True]
+    assert sharded.ask(session_id, QUESTIONS[1]).turns == 2  # the session goes on
+    close_all(sharded, [session_id])
+
+
+def test_a_callers_bad_text_is_refused_and_never_counts_against_its_shard(sharded, images):
+    """A lone surrogate made the tokenizer raise TypeError inside the loop: a SHARD_FAILED,
+    and three in a row took the shard out of placement."""
+    session_id = sharded.open(images[0]).session_id
+    for _ in range(FAILURES_UNTIL_UNREADY + 1):
+        with pytest.raises(InvalidRequest, match="'inputs' cannot be tokenized"):
+            sharded.ask(session_id, "What \ud800 color?")
+        with pytest.raises(InvalidRequest, match="'system' cannot be tokenized"):
+            sharded.open(images[1], system="Be \udfff brief.")
+    assert [s.ready for s in sharded.stats()] == [True, True]
+    assert sharded.ask(session_id, QUESTIONS[0]).text
+    close_all(sharded, [session_id])
+
+
+def test_every_shard_failing_is_fatal_and_told_once(sharded, images, monkeypatch):
+    told: list[BaseException] = []
+    monkeypatch.setattr(sharded, "on_fatal", told.append)
+    monkeypatch.setattr(sharded, "_fatal_told", False)
+    ids = sorted((sharded.open(image).session_id for image in images[:2]), key=sharded.shard_of)
+    assert [sharded.shard_of(i) for i in ids] == [0, 1]
+
+    def device_fault(inputs):
+        raise RuntimeError("injected fault")
+
+    for engine in sharded.shards:
+        monkeypatch.setattr(engine.runner, "next_ids", device_fault)
+    for session_id, told_after in zip(ids, ([], [ShardFailed]), strict=True):
+        for _ in range(FAILURES_UNTIL_UNREADY):
+            with pytest.raises(ShardFailed):
+                sharded.ask(session_id, QUESTIONS[0])
+        assert [type(error) for error in told] == told_after  # one shard left: not yet
+    with pytest.raises(ShardFailed):
+        sharded.ask(ids[0], QUESTIONS[0])
+    assert len(told) == 1  # told once
+    monkeypatch.undo()
+    assert all(sharded.ask(session_id, QUESTIONS[0]).text for session_id in ids)
+    close_all(sharded, ids)
