@@ -84,26 +84,26 @@ class NoCapacity(EngineError):
     code = "NO_CAPACITY"
 
 
-class Busy(NoCapacity):
+class RetryLater(NoCapacity):
+    """No capacity now, and when to come back: ``retry_after_s`` (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Busy(RetryLater):
     """A turn cannot get KV memory now, even after demoting every idle session: retry after
-    ``retry_after_s`` (HTTP 503 with Retry-After). Nothing of any session was lost."""
+    ``retry_after_s``. Nothing of any session was lost."""
 
     code = "KV_MEMORY_FULL"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
-
-class Overloaded(NoCapacity):
+class Overloaded(RetryLater):
     """The worker serves ``max_requests_in_flight`` requests already: retry after
-    ``retry_after_s`` (HTTP 503 with Retry-After). Refused before it took a thread."""
+    ``retry_after_s``. Refused before it took a thread."""
 
     code = "OVERLOADED"
-
-    def __init__(self, message: str, *, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 class TurnInterrupted(EngineError):
