@@ -1,8 +1,8 @@
 # SageMaker bring-your-own-container image: TorchServe 0.12 with the stateful-llava handler and a
-# CUDA build of torch. SageMaker runs `docker run <image> serve`: docker/serve.py starts
-# TorchServe on internal ports behind a front on 8080 whose /ping is 200 only once a worker is
-# READY, serving the model SageMaker puts under /opt/ml/model (docs/deploy.md §Deploying, step by
-# step).
+# CUDA build of torch. SageMaker runs `docker run <image> serve`: docker/serve.py (the start is
+# serving/container.py) starts TorchServe on internal ports behind a front on 8080 whose /ping
+# is 200 only once a worker is READY, serving the model SageMaker puts under /opt/ml/model
+# (docs/deploy.md §Deploying, step by step).
 #
 #   make image                                  (docker build -t stateful-llava .)
 #   scripts/build_and_push.sh                   (builds and pushes to ECR)
@@ -16,8 +16,9 @@ FROM ${BASE_IMAGE}
 
 # NVIDIA_*: the nvidia container runtime mounts the host's driver only when these ask for it.
 # No PYTHONPATH: TorchServe puts it ahead of the extracted .mar in the worker's path, and the
-# worker must import llava/ and handlers/ from the .mar it serves (docker/serve.py finds this
-# directory's packages by itself). A venv: a Debian base's own python3 refuses system-wide pip.
+# worker must import llava/ and handlers/ from the .mar it serves (docker/serve.py imports the
+# installed packages, and passes this directory for config.properties and model-config.yaml).
+# A venv: a Debian base's own python3 refuses system-wide pip.
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PYTHONDONTWRITEBYTECODE=1 \

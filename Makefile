@@ -29,7 +29,7 @@ TORCH_INDEX ?=
 # torch==2.13.0 goes in first: it is the local CPU wheel (or TORCH_INDEX's build); anything
 # that depends on torch installed before it would pull a multi-GB CUDA build.
 $(VENV)/.installed: setup.cfg pyproject.toml
-	command -v java >/dev/null || (apt-get update && apt-get install -y openjdk-17-jre-headless)
+	command -v jcmd >/dev/null || (apt-get update && apt-get install -y openjdk-17-jdk-headless)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
@@ -41,7 +41,7 @@ setup: $(VENV)/.installed
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/hadolint Dockerfile
-	$(VENV)/bin/shellcheck docker/entrypoint.sh scripts/build_and_push.sh scripts/gpu_carry.sh
+	$(VENV)/bin/shellcheck docker/entrypoint.sh scripts/build_and_push.sh scripts/gpu/carry.sh
 
 # Every tier: tests/unit, tests/serving (real TorchServe, serving the demo model's .mar,
 # model-store/llava.mar), tests/container (the image's build side; the image itself runs under
@@ -82,22 +82,22 @@ demo: demo-mar
 # then shared prefixes (an open on a held image against a cold one, bytes of 32 sessions on
 # one image against 32 images, turn time with sharing on and off).
 bench: demo-mar
-	$(PY) -m scripts.bench_turns
-	$(PY) -m scripts.bench_turns --config realistic-next
-	$(PY) -m scripts.bench_handler
-	$(PY) -m scripts.bench_sessions
-	$(PY) -m scripts.bench_endpoint
-	$(PY) -m scripts.bench_front
-	$(PY) -m scripts.bench_runner --threads 1
-	$(PY) -m scripts.bench_attention
-	$(PY) -m scripts.bench_concurrency
-	$(PY) -m scripts.bench_memory
-	$(PY) -m scripts.bench_persist
-	$(PY) -m scripts.bench_prefix
+	$(PY) -m scripts.bench.turns
+	$(PY) -m scripts.bench.turns --config realistic-next
+	$(PY) -m scripts.bench.handler
+	$(PY) -m scripts.bench.sessions
+	$(PY) -m scripts.bench.endpoint
+	$(PY) -m scripts.bench.front
+	$(PY) -m scripts.bench.runner --threads 1
+	$(PY) -m scripts.bench.attention
+	$(PY) -m scripts.bench.concurrency
+	$(PY) -m scripts.bench.memory
+	$(PY) -m scripts.bench.persist
+	$(PY) -m scripts.bench.prefix
 
 # On a CUDA machine: preflight, the attention candidates, the engine's table on a
 # random-weight model of llava-1.5-7b's shape, the CUDA tests and two shards, each step
-# isolated, its JSON line in .run/gpu-check/results.jsonl (scripts/gpu_check.py). Without
+# isolated, its JSON line in .run/gpu-check/results.jsonl (scripts/gpu/check.py). Without
 # CUDA: one line, exit 0. A lent GPU machine runs it without make setup:
 # python3 -u -m scripts.gpu_check --out $OUT (docs/testing.md §GPU check).
 gpu-check: setup
@@ -134,7 +134,7 @@ endpoint: mar
 		--threads=$(ENDPOINT_THREADS) --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
 
 # Load, faults and bad input together for SOAK_SECONDS with SOAK_SESSIONS conversations, against
-# `make endpoint`'s setup started on free ports (2 instances) through boto3 (scripts/soak.py):
+# `make endpoint`'s setup started on free ports (2 instances) through boto3 (scripts/soak/):
 # one table, non-zero if a rule breaks. The defaults suit a 2-core machine.
 SOAK_SECONDS ?= 90
 SOAK_SESSIONS ?= 8

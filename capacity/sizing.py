@@ -26,8 +26,7 @@ import torch
 
 from capacity.instances import GB, GiB, Instance
 from llava.config import EngineConfig
-from llava.kv.budget import device_split
-from llava.kv.memory import session_feature_bytes, session_kv_bytes
+from llava.kv.budget import device_split, session_feature_bytes, session_kv_bytes
 from llava.kv.pool import BLOCK_TOKENS, kv_bytes_per_token
 from llava.model.checkpoint import inspect_checkpoint
 from llava.model.vision import most_image_tokens

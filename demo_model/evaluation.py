@@ -136,7 +136,7 @@ def _engine(loaded):
     """An engine over ``loaded`` with room for every session, stopped afterwards."""
     from llava.config import EngineConfig
     from llava.engine import Engine
-    from llava.kv.memory import MemoryBudget
+    from llava.kv.budget import MemoryBudget
 
     engine = Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
     try:

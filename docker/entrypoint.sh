@@ -1,6 +1,7 @@
 #!/bin/sh
 # SageMaker starts the container as `docker run <image> serve`: run the supervisor
-# (docker/serve.py: TorchServe behind a /ping that is 200 only with a READY worker).
+# (docker/serve.py → serving/container.py: TorchServe behind a /ping that is 200 only with a
+# READY worker).
 # Any other command runs as given, e.g. `docker run -it <image> bash` to look inside.
 set -eu
 if [ "${1:-}" = "serve" ]; then

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from llava import errors
+from llava_wire import INTERNAL_ERROR
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ STATUS_BY_ERROR: dict[type[errors.EngineError], int] = {
     errors.NoCapacity: 503,  # and its subclass Busy (KV_MEMORY_FULL), which says when to retry
     errors.TurnInterrupted: 503,  # the worker died during the request: retry after the restart
 }
-INTERNAL_ERROR = 500
+INTERNAL_ERROR_STATUS = 500  # anything else: a bug
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def error_response(exc: BaseException) -> ErrorReply:
             return retry_reply(STATUS_BY_ERROR[cls], exc.code, exc.message, retry_after_s)
     logger.exception("unexpected error while serving a request", exc_info=exc)
     message = f"internal error: {type(exc).__name__}"
-    return ErrorReply(INTERNAL_ERROR, _body("INTERNAL_ERROR", message))
+    return ErrorReply(INTERNAL_ERROR_STATUS, _body(INTERNAL_ERROR, message))
 
 
 def retry_reply(status: int, code: str, message: str, retry_after_s: float) -> ErrorReply:

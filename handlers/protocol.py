@@ -25,9 +25,14 @@ from llava_wire import (
     CANCEL_TURN,
     CLOSE_SESSION,
     CUSTOM_ATTRIBUTES_HEADER,
+    INPUTS_WITHOUT_SESSION,
+    INVALID_SESSION_ID,
+    MISSING_SESSION_ID,
     NEW_SESSION,
     SESSION,
     SESSION_HEADER,
+    UNKNOWN_KEY,
+    UNKNOWN_REQUEST_TYPE,
     session_ids,
 )
 
@@ -185,13 +190,13 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
         raise InvalidRequest(
             f"unknown requestType {echo(kind)}; use NEW_SESSION, SESSION, CLOSE_SESSION or "
             f"{CANCEL_TURN}",
-            code="UNKNOWN_REQUEST_TYPE",
+            code=UNKNOWN_REQUEST_TYPE,
         )
     session_id = _one_session_id(from_header, from_body)
     if session_id is None:
         raise InvalidRequest(
             f"requestType {kind} needs the session id in the {SESSION_HEADER} header",
-            code="MISSING_SESSION_ID",
+            code=MISSING_SESSION_ID,
         )
     _check_keys(payload, kind)
     if kind == CLOSE_SESSION:
@@ -223,7 +228,7 @@ def _open(
             f"an open answers no question, so it would drop {', '.join(asked)}: send "
             '{"requestType": "NEW_SESSION"} (with "image" and "extSessionID" if you like), then '
             f'{{"requestType": "SESSION", "inputs": ...}} with the session id in {SESSION_HEADER}',
-            code="INPUTS_WITHOUT_SESSION",
+            code=INPUTS_WITHOUT_SESSION,
         )
     _check_keys(payload, NEW_SESSION)
     image = payload.get("image")
@@ -242,7 +247,7 @@ def _check_keys(payload: dict, kind: str) -> None:
     raise InvalidRequest(
         f"requestType {kind} does not take {clip(', '.join(map(echo, unknown)))}{hint}; "
         f"it takes {', '.join(accepted)}",
-        code="UNKNOWN_KEY",
+        code=UNKNOWN_KEY,
     )
 
 
@@ -256,7 +261,7 @@ def _one_session_id(from_header: str | None, from_body: str | None) -> str | Non
     if from_header and from_body and from_header != from_body:
         raise InvalidRequest(
             f"the {SESSION_HEADER} header and 'extSessionID' name different sessions",
-            code="INVALID_SESSION_ID",
+            code=INVALID_SESSION_ID,
         )
     return from_header or from_body
 
@@ -266,12 +271,12 @@ def _checked_id(value: Any, where: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise InvalidRequest(f"{where} must be a string", code="INVALID_SESSION_ID")
+        raise InvalidRequest(f"{where} must be a string", code=INVALID_SESSION_ID)
     value = value.strip()
     if value in ("", NEW_SESSION):
         return None
     if (why := session_ids.refusal(value, where)) is not None:
-        raise InvalidRequest(why, code="INVALID_SESSION_ID")
+        raise InvalidRequest(why, code=INVALID_SESSION_ID)
     return value
 
 

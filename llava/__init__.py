@@ -3,7 +3,8 @@
 - ``engine``: ``Engine``, the one object a transport uses (open, ask, close); ``shards``: one
   engine per device behind the same surface; ``config``: ``EngineConfig``, every setting;
   ``errors``: the typed errors a caller can see, each with a stable code.
-- ``sessions/``: conversations, the store that maps ids to them, expiry, the persistent tier.
+- ``sessions/``: conversations, the store that maps ids to them, the lease a turn takes its
+  session by, expiry, the persistent tier.
 - ``kv/``: every byte a session holds (the device pool, the host tier) and the budgets.
 - ``sched/``: the engine loop, the scheduler, and the requests they run.
 - ``exec/``: one packed forward step over the pool (attention, step metadata, CUDA graphs).
@@ -14,6 +15,6 @@
 Importable and testable without TorchServe (``handlers/`` adapts it to the wire). Imports run
 one way (tests/unit/test_tree_map.py): ``shards`` → ``engine`` → ``sched`` → ``sessions``,
 ``model`` → ``exec`` → ``kv``, ``sampling`` → ``config`` → ``intake`` → ``errors``,
-``counters`` (``model`` asks ``exec``'s runner which text models it computes exactly). What
-happens in one ask: docs/engine/life-of-a-turn.md.
+``counters``, ``files`` (``model`` asks ``exec``'s runner which text models it computes
+exactly). What happens in one ask: docs/engine/life-of-a-turn.md.
 """

@@ -77,6 +77,12 @@ class EngineConfig:
     # persist_fallback_dir (docs/engine/sessions.md §Persistent tier).
     persist_min_bytes: int = 1 * GiB
     persist_fallback_dir: str | None = None
+    # The scheduler (docs/engine/scheduling.md §Mixed or alternating steps): sequences per step
+    # (1: one request at a time), prefill ids fed per step across the prefilling requests, and
+    # whether a step mixes decode rows with prefill chunks (false: the two kinds alternate).
+    max_batch: int = 32
+    prefill_chunk_tokens: int = 512
+    mixed_steps: bool = True
     # How long a turn short of device memory waits for running turns (their KV turns idle and
     # movable as they end) before idle sessions are dropped or parked for it
     # (docs/engine/memory.md §Memory policy).
@@ -203,6 +209,9 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v is None or (isinstance(v, str) and os.path.isabs(v)),
         "null (none) or an absolute directory path",
     ),
+    "max_batch": (_positive_int, "an integer > 0"),
+    "prefill_chunk_tokens": (_positive_int, "an integer > 0"),
+    "mixed_steps": (lambda v: isinstance(v, bool), "true or false"),
     "wait_for_room_s": (
         lambda v: _number(v) and 0 <= v <= 10,
         "a number of seconds from 0 to 10",

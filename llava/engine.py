@@ -9,7 +9,6 @@ It raises only ``llava.errors`` types, so a transport can map every failure to a
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -24,12 +23,14 @@ from PIL import Image
 from llava.config import EngineConfig, SettingsError
 from llava.errors import InvalidRequest, echo
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
-from llava.kv.budget import memory_budget
-from llava.kv.memory import MemoryBudget, MemoryCounters, MemoryManager, Tier
+from llava.kv.budget import MemoryBudget, memory_budget, session_feature_bytes, session_kv_bytes
+from llava.kv.holding import Tier
+from llava.kv.memory import MemoryCounters, MemoryManager
+from llava.kv.pool import KVPool
 from llava.kv.prefix import scoped
 from llava.model.imageprep import content_key
 from llava.model.loading import LoadedModel, load_model
-from llava.model.vision import image_features, largest_side, vision_inputs
+from llava.model.vision import image_features, largest_side, most_image_tokens, vision_inputs
 from llava.model.weights_digest import weights_digest
 from llava.sampling.logits_mask import banned_token_ids
 from llava.sampling.params import GenerationParams
@@ -37,11 +38,13 @@ from llava.sampling.sampler import Sampler
 from llava.sched.loop import EngineLoop
 from llava.sched.scheduler import Scheduler
 from llava.sched.work import Answer, Opened, OpenRequest, RequestContext, TurnRequest
-from llava.sessions.persist import Location, model_identity, open_journal, persistence
-from llava.sessions.session import Session, Sharing
-from llava.sessions.store import EXPIRED, SessionStore, StoreCounters, full_session_id
+from llava.sessions.lease import Leases
+from llava.sessions.location import Location, open_journal, persistence
+from llava.sessions.persist import model_identity
+from llava.sessions.store import SessionStore, StoreCounters, full_session_id
+from llava.sessions.tier import PersistentTier
 
-__all__ = ["Answer", "Engine", "EngineStats", "Opened"]
+__all__ = ["Answer", "Engine", "EngineStats", "KeyedImage", "Opened"]
 logger = logging.getLogger(__name__)
 
 
@@ -68,6 +71,15 @@ def feature_salt(model_identity: str, loaded: LoadedModel) -> bytes:
 
 
 @dataclass(frozen=True)
+class KeyedImage:
+    """An image with the key its features and prefix are shared under, computed once where
+    an open enters (``Engine.keyed_image``) and passed down (None: not shared)."""
+
+    image: Image.Image
+    key: bytes | None
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """The store's counters, the memory manager's tiers and the step runner's counters
     (how often it degraded), one snapshot for metrics."""
@@ -89,8 +101,9 @@ class EngineStats:
 
 
 class Engine:
-    """``max_batch``: sequences per step (1 = one request at a time). ``budget``: the memory
-    manager's device pool (allocated once here), host bytes and stated headroom."""
+    """``budget``: the memory manager's device pool (allocated once here), host bytes and
+    stated headroom; the scheduler's knobs are settings (``max_batch``,
+    ``prefill_chunk_tokens``, ``mixed_steps``)."""
 
     def __init__(
         self,
@@ -98,31 +111,32 @@ class Engine:
         config: EngineConfig,
         budget: MemoryBudget,
         *,
-        max_batch: int = 32,
-        prefill_chunk_tokens: int = 512,
-        mixed_steps: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.loaded = loaded
         self.config = config
-        self.memory = MemoryManager.for_model(
-            loaded.model.config.text_config, budget, loaded.device, loaded.dtype
-        )
+        text_config = loaded.model.config.text_config
+        pool = KVPool(text_config, budget.device_bytes, loaded.device, loaded.dtype)
+        self.memory = MemoryManager(pool, budget)
         location = persistence(config)
         identity = model_identity(loaded.model, loaded.dtype, kept_weights_digest(loaded, location))
         vocab_size = loaded.model.config.text_config.vocab_size
-        self.journal = open_journal(location, identity, vocab_size, config.session_ttl_s)
+        journal = open_journal(location, identity, vocab_size, config.session_ttl_s)
+        self.persistent = PersistentTier(journal, self.memory, config.session_ttl_s)
         self.store = SessionStore(
             self.memory,
             ttl_s=config.session_ttl_s,
             clock=clock,
-            journal=self.journal,
+            journal=self.persistent,
             max_sessions=config.max_sessions,
             max_waiting_asks=config.max_waiting_asks,
         )
+        image_token_id = loaded.model.config.image_token_id
+        leases = Leases(
+            self.store, self.memory, self.persistent, image_token_id, config.prefix_sharing
+        )
         self.context = RequestContext(
-            store=self.store,
-            memory=self.memory,
+            leases=leases,
             prompt=loaded.prompt,
             encode_image=self.encode_image,
             tokenizer=loaded.tokenizer,
@@ -130,11 +144,9 @@ class Engine:
             banned_ids=banned_token_ids(
                 loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
             ),
-            image_token_id=loaded.model.config.image_token_id,
+            image_token_id=image_token_id,
             max_positions=loaded.max_positions,
             max_session_tokens=config.max_session_tokens,
-            journal=self.journal,
-            prefix_sharing=config.prefix_sharing,
         )
         # what changes an image's features besides its pixels: the model and preprocessing
         self._features_salt = feature_salt(identity, loaded)
@@ -142,11 +154,13 @@ class Engine:
         if config.system_prompt and not self.renders_system:
             problem = "this checkpoint's chat template has no system role"
             raise SettingsError("system_prompt", problem)
-        self.adopted = self._adopt_persisted()
+        # sessions a previous worker of this model left in the persistent tier continue here
+        self.adopted = self.persistent.adopt(self.store, config.prefix_sharing != "off")
         vocab = loaded.model.config.text_config.vocab_size
         sampler = Sampler(vocab, self.context.banned_ids, loaded.eos_token_ids, loaded.device)
         self.runner = Runner(loaded.model, self.memory.pool, sampler, config.attention)
-        scheduler = Scheduler(max_batch, prefill_chunk_tokens, mixed_steps, config.wait_for_room_s)
+        knobs = config.max_batch, config.prefill_chunk_tokens, config.mixed_steps
+        scheduler = Scheduler(*knobs, config.wait_for_room_s)
         on_idle = self.check_integrity if config.check_memory_when_idle else None
         self.loop = EngineLoop(self.runner, scheduler, time.monotonic, on_idle).start()
         if loaded.device.type == "cuda":  # streams, graphs and events without a device: ours
@@ -154,11 +168,13 @@ class Engine:
         weakref.finalize(self, self.loop.stop)  # the loop thread ends with its engine
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **options) -> Engine:
+    def from_config(
+        cls, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> Engine:
         loaded = load_model(
             config.model_dir, config.device, config.dtype, config.attn_implementation
         )
-        return cls(loaded, config, memory_budget(config, loaded.device), **options)
+        return cls(loaded, config, memory_budget(config, loaded.device), clock=clock)
 
     @property
     def image_side(self) -> int:
@@ -187,7 +203,7 @@ class Engine:
         ids = self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0])
         holding = self.memory.hold()
         try:
-            if self.memory.reserve(holding, len(ids) + 1, features) is None:
+            if self.memory.start(holding, len(ids) + 1, features=features) is None:
                 self.runner.step([StepInput(holding.kv, ids, features)])
                 self.runner.step([StepInput(holding.kv, ids[:1], None)])  # not an image token
         except PagedAttentionFailed as e:  # only a forced path lets it out (auto falls back)
@@ -201,35 +217,10 @@ class Engine:
         if self.config.cuda_graphs:
             self.runner.capture_graphs(self.loop.scheduler.max_batch)  # CUDA and flex only
 
-    def _adopt_persisted(self) -> int:
-        """Sessions a previous worker of this model left in the persistent tier continue here:
-        same ids, same expiry, history and features. They are adopted parked (nothing read
-        into memory but their history): each one's next turn reads its features back and
-        recomputes its KV (tier PERSISTED). Returns how many (docs/engine/sessions.md
-        §Persistent tier)."""
-        now = time.time()
-        loaded = self.journal.load(now)
-        for session_id, reason in loaded.gone.items():
-            self.store.remember_gone(session_id, reason)
-        for session_id in loaded.expired:
-            self.store.refuse_entry(session_id, EXPIRED)
-        for entry in loaded.live:
-            snapshot = entry.snapshot
-            key = snapshot.image_key  # already salted with its tenant
-            shared = bytes.fromhex(key) if key and self.config.prefix_sharing != "off" else None
-            holding = self.memory.hold_parked(entry.features_shape, shared)
-            sharing = Sharing(snapshot.tenant, snapshot.opening_tokens)
-            session = Session(snapshot.session_id, snapshot.token_ids, holding, sharing=sharing)
-            session.messages, session.turns = snapshot.messages, snapshot.turns
-            self.store.restore(session, idle_s=max(0.0, now - snapshot.last_used_wall))
-        if loaded.live:
-            logger.info("persistent tier: adopted %d sessions", len(loaded.live))
-        return len(loaded.live)
-
     # -- the three operations --------------------------------------------------------------
     def open(
         self,
-        image: Image.Image | None = None,
+        image: Image.Image | KeyedImage | None = None,
         session_id: str | None = None,
         system: str | None = None,
         tenant: str | None = None,
@@ -243,27 +234,25 @@ class Engine:
         ``Opened.session_id``); by default the server picks an unguessable one. ``system``:
         the session's system prompt (None: the ``system_prompt`` setting; "": none).
         ``tenant``: sessions of different tenants share nothing (None: shares with the other
-        sessions without one).
+        sessions without one). ``image``: a PIL image, or one keyed already for ``tenant``
+        (``keyed_image``).
         """
         callers_system = bool(system)  # None is the operator's system_prompt, "" none at all
         system = self._check_system(system)
         _check_tenant(tenant)
         session_id = full_session_id(session_id)
         self.store.check_id_free(session_id)
-        pixels = key = None
+        key = encode = None
         if image is not None:
-            key = self.shared_image_key(image, tenant)
-            if key is not None and self.memory.holds_image(key):
-                # no vision tower to feed, unless its features go before the loop admits it
-                pixels = functools.partial(self._pixels, image)
-            else:
-                pixels = self._pixels(image)
+            if not isinstance(image, KeyedImage):
+                image = self.keyed_image(image, tenant)
+            key, encode = image.key, self._encoder(image)
         request = OpenRequest(
             self.context,
             self.config.turn_deadline_s,
-            pixels,
             session_id,
             key,
+            encode,
             system,
             callers_system,
             tenant,
@@ -285,12 +274,12 @@ class Engine:
         """The image's content key: equal keys mean equal features (llava.model.imageprep)."""
         return content_key(image, self._features_salt)
 
-    def shared_image_key(self, image: Image.Image, tenant: str | None) -> bytes | None:
-        """The key ``tenant``'s sessions share the image's features and prefix under (None:
-        ``prefix_sharing`` is off)."""
+    def keyed_image(self, image: Image.Image, tenant: str | None) -> KeyedImage:
+        """The image with the key ``tenant``'s sessions share its features and prefix under
+        (None: ``prefix_sharing`` is off): hashed once, where the open enters."""
         if self.config.prefix_sharing == "off":
-            return None
-        return scoped(self.image_key(image), tenant)
+            return KeyedImage(image, None)
+        return KeyedImage(image, scoped(self.image_key(image), tenant))
 
     def ask(
         self,
@@ -340,6 +329,57 @@ class Engine:
         """None if this closed it; else why it was already gone (see SessionStore.close)."""
         return self.store.close(session_id)
 
+    def reap(self) -> int:
+        """Free the expired idle sessions now; how many went (llava.sessions.reaper)."""
+        return self.store.reap()
+
+    # -- what a placement needs (llava.shards) ---------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    @property
+    def alive(self) -> bool:
+        """Its loop still serves (false once stopped, or its device lost)."""
+        return self.loop.alive
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the session is live here."""
+        return session_id in self.store
+
+    def remembers(self, session_id: str) -> bool:
+        """Live here, or gone recently enough that its id still answers why."""
+        return self.store.remembers(session_id)
+
+    def check_id_free(self, session_id: str) -> None:
+        """Refuse (SessionIdInUse) an id live or remembered here."""
+        self.store.check_id_free(session_id)
+
+    def holds_image(self, image: KeyedImage) -> bool:
+        """Whether the pool holds this image's features for its key's sessions."""
+        return image.key is not None and self.memory.holds_image(image.key)
+
+    def free_bytes(self) -> int:
+        """Device bytes an open could have now: the pool's free blocks and those that opens in
+        flight hold (they are counted apart, by the caller)."""
+        pool = self.memory.pool
+        return pool.free_blocks * pool.bytes_per_block + self.memory.opening_bytes()
+
+    def session_bytes(self, session_id: str) -> int:
+        """Everything the session holds now, device and host (SessionNotFound: gone)."""
+        return self.memory.held_bytes(self.store.session(session_id).holding)
+
+    def open_bytes(self) -> int:
+        """Device bytes an open with an image reserves: its opening prompt's KV and its
+        features (the largest image's, for NeXT), in whole pool blocks."""
+        pool, hidden = self.memory.pool, self.loaded.model.config.text_config.hidden_size
+        image_tokens = most_image_tokens(self.loaded.processor)
+        tokens = len(self.loaded.prompt.opening_ids(True, image_tokens))
+        per_token = pool.bytes_per_block // pool.block_tokens
+        return session_kv_bytes(tokens, per_token, pool.block_tokens) + session_feature_bytes(
+            image_tokens, hidden, pool.kv.element_size(), pool.bytes_per_block
+        )
+
     def stats(self) -> EngineStats:
         counters = self.store.counters()  # first: it sweeps expired sessions
         memory = self.memory.stats()
@@ -368,8 +408,18 @@ class Engine:
         return vision_inputs(image, image_processor, self.loaded.image_aspect_ratio)
 
     def encode_image(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The vision side once per session (llava.model.vision): (image tokens, hidden)."""
+        """The vision tower (llava.model.vision): (image tokens, hidden). Every path calls it
+        so: an open (``_encoder``), the warm-up."""
         return image_features(self.loaded.model, inputs, self.loaded.dtype)
+
+    def _encoder(self, image: KeyedImage) -> Callable[[], torch.Tensor]:
+        """The image's features when the loop finds the pool does not hold them. Preprocessed
+        now, in the caller's thread, unless the pool holds them now: then only if they go
+        before the loop admits the open."""
+        if self.holds_image(image):
+            return lambda: self.encode_image(self._pixels(image.image))
+        pixels = self._pixels(image.image)
+        return lambda: self.encode_image(pixels)
 
     def _check_system(self, system) -> str:
         if system is None:

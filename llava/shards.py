@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from llava.config import EngineConfig
-from llava.engine import Answer, Engine, EngineStats, Opened
+from llava.engine import Answer, Engine, EngineStats, KeyedImage, Opened
 from llava.errors import EngineError, SessionIdInUse, ShardFailed
 from llava.kv.budget import host_budget, memory_budget
-from llava.kv.memory import IntegrityError, session_feature_bytes, session_kv_bytes
+from llava.kv.integrity import IntegrityError
 from llava.model.loading import load_model, shard_devices
-from llava.model.vision import most_image_tokens
-from llava.sessions.persist import persistence
+from llava.sessions.location import persistence
 from llava.sessions.store import full_session_id
 
 __all__ = ["ShardStats", "ShardedEngine"]
@@ -47,19 +46,6 @@ class ShardStats:
     ready: bool  # serving, and not failing every request: new sessions may be placed on it
     in_flight: int  # opens and turns running or waiting on it now
     engine: EngineStats
-
-
-def image_open_bytes(engine: Engine) -> int:
-    """Device bytes an open with an image reserves (llava.sched.work.OpenRequest): its opening
-    prompt's KV and its features, in whole pool blocks (llava.kv.memory's accounting)."""
-    config, pool = engine.loaded.model.config, engine.memory.pool
-    image_tokens = most_image_tokens(engine.loaded.processor)  # the largest image's (NeXT)
-    tokens = len(engine.loaded.prompt.opening_ids(True, image_tokens))
-    per_token = pool.bytes_per_block // pool.block_tokens
-    hidden, element = config.text_config.hidden_size, pool.kv.element_size()
-    return session_kv_bytes(tokens, per_token, pool.block_tokens) + session_feature_bytes(
-        image_tokens, hidden, element, pool.bytes_per_block
-    )
 
 
 def shard_persistence(config: EngineConfig, count: int) -> list[dict[str, Any]]:
@@ -97,10 +83,12 @@ class ShardedEngine:
             engine.on_fatal = self._fatal
         # The cost of one open in flight: what the latest open came to hold (at first, what
         # an open with an image reserves).
-        self._open_bytes = image_open_bytes(engines[0])
+        self._open_bytes = engines[0].open_bytes()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **options) -> ShardedEngine:
+    def from_config(
+        cls, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> ShardedEngine:
         """Load one model copy per device of ``config.device`` and build the engines; any
         shard that cannot load fails the whole start (the ones built are stopped). The host
         tier is the instance's RAM: ``host_budget`` split evenly across the shards."""
@@ -119,7 +107,7 @@ class ShardedEngine:
             persistence = shard_persistence(config, len(devices))
             for model, budget, persist in zip(loaded, budgets, persistence, strict=True):
                 shard_config = dataclasses.replace(config, device=str(model.device), **persist)
-                engines.append(Engine(model, shard_config, budget, **options))
+                engines.append(Engine(model, shard_config, budget, clock=clock))
         except BaseException:
             for engine in engines:
                 engine.stop()
@@ -149,8 +137,10 @@ class ShardedEngine:
     ) -> Opened:
         """Open on the placed shard. The id (``full_session_id``: the caller's, perhaps with a
         random part, or a new one) is bound to that shard before any model work, so an id is
-        unique across the shards."""
-        holder = self._holder_of(image, tenant)
+        unique across the shards. The image is keyed once, here (``Engine.keyed_image``)."""
+        if image is not None and not isinstance(image, KeyedImage):
+            image = self.shards[0].keyed_image(image, tenant)
+        holder = self._holder_of(image)
         session_id = full_session_id(session_id)
         with self._lock:
             self._check_id_free(session_id)
@@ -165,19 +155,37 @@ class ShardedEngine:
             return opened
         except BaseException:
             with self._lock:
-                if not engine.store.remembers(session_id):
+                if not engine.remembers(session_id):
                     self._home.pop(session_id, None)
             raise
         finally:
             with self._lock:
                 del self._opening[session_id]
 
-    def ask(self, session_id: str, *args, **kwargs) -> Answer:
-        """``Engine.ask(session_id, question, parameters, on_token, cancelled=)`` on the
-        session's shard."""
+    def ask(
+        self,
+        session_id: str,
+        question: str,
+        parameters: dict | None = None,
+        on_token: Callable[[str, int | None], None] | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+        rewind_turns: int = 0,
+    ) -> Answer:
+        """``Engine.ask`` on the session's shard."""
         index = self.shard_of(session_id)
+        engine = self.shards[index]
         with self._running(index):
-            return self._call(index, self.shards[index].ask, session_id, *args, **kwargs)
+            return self._call(
+                index,
+                engine.ask,
+                session_id,
+                question,
+                parameters,
+                on_token,
+                cancelled=cancelled,
+                rewind_turns=rewind_turns,
+            )
 
     def close(self, session_id: str) -> str | None:
         """``Engine.close`` on the session's shard (which remembers why an id is gone)."""
@@ -194,11 +202,11 @@ class ShardedEngine:
     def reap(self) -> int:
         """Expired sessions freed on every shard (llava.sessions.reaper.Reaper calls it); ids
         no shard remembers any more leave the id map, so it stays bounded."""
-        reaped = sum(engine.store.reap() for engine in self.shards)
+        reaped = sum(engine.reap() for engine in self.shards)
         with self._lock:
             for session_id, index in list(self._home.items()):
                 opening = session_id in self._opening
-                if not opening and not self.shards[index].store.remembers(session_id):
+                if not opening and not self.shards[index].remembers(session_id):
                     del self._home[session_id]
         return reaped
 
@@ -207,7 +215,7 @@ class ShardedEngine:
             in_flight = list(self._in_flight)
             ready = [self._ready(i) for i in range(len(self.shards))]
         return [
-            ShardStats(i, str(e.loaded.device), ready[i], in_flight[i], e.stats())
+            ShardStats(i, str(e.device), ready[i], in_flight[i], e.stats())
             for i, e in enumerate(self.shards)
         ]
 
@@ -220,7 +228,7 @@ class ShardedEngine:
             home = dict(self._home)
         for session_id, index in home.items():
             for other, engine in enumerate(self.shards):
-                if other != index and session_id in engine.store:
+                if other != index and engine.holds(session_id):
                     raise IntegrityError(f"a session bound to shard {index} lives on {other}")
 
     def stop(self) -> None:
@@ -235,7 +243,7 @@ class ShardedEngine:
         index = self._home.get(session_id)
         if index is None:
             shards = enumerate(self.shards)
-            index = next((i for i, e in shards if e.store.remembers(session_id)), None)
+            index = next((i for i, e in shards if e.remembers(session_id)), None)
             if index is not None:
                 self._home[session_id] = index
         return index
@@ -251,19 +259,18 @@ class ShardedEngine:
             )
         index = self._bound(session_id)
         if index is not None:
-            self.shards[index].store.check_id_free(session_id)
+            self.shards[index].check_id_free(session_id)
             del self._home[session_id]
 
     def _ready(self, index: int) -> bool:
-        return self.shards[index].loop.alive and self._failures[index] < FAILURES_UNTIL_UNREADY
+        return self.shards[index].alive and self._failures[index] < FAILURES_UNTIL_UNREADY
 
-    def _holder_of(self, image, tenant: str | None) -> int | None:
-        """The shard that holds this image's features already for ``tenant`` (sessions share
-        an image's features and prefix within a shard and a tenant only), if any."""
-        key = None if image is None else self.shards[0].shared_image_key(image, tenant)
-        if key is None:
+    def _holder_of(self, image: KeyedImage | None) -> int | None:
+        """The shard that holds this image's features already for its key's sessions
+        (sessions share an image's features and prefix within a shard and a tenant only)."""
+        if image is None:
             return None
-        return next((i for i, e in enumerate(self.shards) if e.memory.holds_image(key)), None)
+        return next((i for i, e in enumerate(self.shards) if e.holds_image(image)), None)
 
     def _place(self, holder: int | None = None) -> int:
         """The ready shard (else any serving one: failing is not stopped) with the most free
@@ -273,16 +280,14 @@ class ShardedEngine:
         image already, comes first while it is ready and has room for an open. Caller holds
         the lock."""
         ready = [i for i in range(len(self.shards)) if self._ready(i)]
-        ready = ready or [i for i, e in enumerate(self.shards) if e.loop.alive]
+        ready = ready or [i for i, e in enumerate(self.shards) if e.alive]
         if not ready:
             raise ShardFailed("no engine shard of this worker is serving; it must be restarted")
 
         opening = Counter(self._opening.values())
 
         def free(i: int) -> int:
-            memory = self.shards[i].memory
-            room = memory.pool.free_blocks * memory.pool.bytes_per_block
-            return room + memory.opening_bytes() - opening[i] * self._open_bytes
+            return self.shards[i].free_bytes() - opening[i] * self._open_bytes
 
         if holder in ready and free(holder) >= self._open_bytes:
             return holder
@@ -300,7 +305,7 @@ class ShardedEngine:
 
     def _learn_open_bytes(self, engine: Engine, session_id: str) -> None:
         try:
-            held = engine.memory.held_bytes(engine.store.session(session_id).holding)
+            held = engine.session_bytes(session_id)
         except EngineError:  # already gone (closed or evicted at once): nothing to learn
             return
         with self._lock:
@@ -336,9 +341,9 @@ class ShardedEngine:
 
     def _shard_call(self, index: int, method: Callable[..., Any], *args, **kwargs) -> Any:
         engine = self.shards[index]
-        if not engine.loop.alive:
+        if not engine.alive:
             raise ShardFailed(
-                f"engine shard {index} ({engine.loaded.device}) has stopped; its sessions are "
+                f"engine shard {index} ({engine.device}) has stopped; its sessions are "
                 "lost: open a new session"
             )
         try:
@@ -347,7 +352,7 @@ class ShardedEngine:
             raise
         except Exception as error:
             raise ShardFailed(
-                f"engine shard {index} ({engine.loaded.device}) failed this request "
+                f"engine shard {index} ({engine.device}) failed this request "
                 f"({type(error).__name__}); sessions on other shards are unaffected: retry, "
                 "or open a new session"
             ) from error

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from llava_client.errors import LlavaError
-from llava_wire import MAX_REQUEST_BYTES
+from llava_wire import MAX_REQUEST_BYTES, REQUEST_TOO_LARGE
 
 
 def request_body(body: dict) -> bytes:
@@ -18,7 +18,7 @@ def request_body(body: dict) -> bytes:
     payload = json.dumps(body).encode()
     if len(payload) > MAX_REQUEST_BYTES:
         raise LlavaError(
-            "REQUEST_TOO_LARGE",
+            REQUEST_TOO_LARGE,
             f"the request is {len(payload):,} bytes and SageMaker accepts at most "
             f"{MAX_REQUEST_BYTES:,} (6 MB) per call: pass the image by URL (https://...) or "
             "s3:// instead of inline",

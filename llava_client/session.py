@@ -73,7 +73,8 @@ class LlavaClient:
     ``busy_retries``: how many times a call refused with a 503 and a ``Retry-After`` is sent
     again (0 turns it off); each wait is the server's ``Retry-After``, at most
     ``max_retry_wait_s``, stretched by up to half again at random so that callers refused
-    together do not all come back at the same instant.
+    together do not all come back at the same instant; ``sleep(seconds)`` waits (a test's
+    stand-in records the waits instead).
 
     ``recover``: ``"raise"`` (the default) raises ``SessionGone`` when a session is gone;
     ``"replay"`` re-opens it on its image and asks its questions again first."""
@@ -85,6 +86,7 @@ class LlavaClient:
         recover: str = "raise",
         busy_retries: int = 3,
         max_retry_wait_s: float = 10.0,
+        sleep: Callable[[float], object] = time.sleep,
         **client_kwargs,
     ):
         if busy_retries < 0 or max_retry_wait_s < 0:
@@ -96,6 +98,7 @@ class LlavaClient:
         self.recover = recover
         self.busy_retries = busy_retries
         self.max_retry_wait_s = max_retry_wait_s
+        self._sleep = sleep
         self.busy_retried = 0  # calls sent again after a 503 with Retry-After, in all
 
     def open(
@@ -195,7 +198,7 @@ class LlavaClient:
             self.busy_retried += 1
             wait = min(error.retry_after_s, self.max_retry_wait_s) * random.uniform(1.0, 1.5)
             logger.info("%s: retry %d in %.2f s", error.code, attempt, wait)
-            time.sleep(wait)
+            self._sleep(wait)
 
 
 class Session:

@@ -41,6 +41,7 @@ from llava.errors import clip, echo
 from llava_wire import (
     CLOSE_SESSION,
     CLOSED_SESSION_HEADER,
+    INVALID_SESSION_ID,
     MAX_REQUEST_BYTES,
     NEW_SESSION,
     NEW_SESSION_HEADER,
@@ -356,7 +357,7 @@ def no_route(path: str) -> Rejected:
 def _check_session_id(session_id: str) -> None:
     """SageMaker's own check of the id (botocore does not check the pattern or the length)."""
     if (why := session_ids.refusal(session_id, "SessionId")) is not None:
-        raise validation_error(why, ErrorCode="INVALID_SESSION_ID")
+        raise validation_error(why, ErrorCode=INVALID_SESSION_ID)
 
 
 def _is_close(body: bytes) -> bool:

@@ -114,7 +114,7 @@ class EmfReporter:
     interval_s: float = 60.0
     namespace: str = NAMESPACE
     clock: Callable[[], float] = time.time
-    endpoint: str = LOCAL_ENDPOINT  # docker/serve.py passes SERVE_ENDPOINT_NAME's, checked at start
+    endpoint: str = LOCAL_ENDPOINT  # the container passes SERVE_ENDPOINT_NAME's, checked at start
     host: str = field(default_factory=socket.gethostname)  # TorchServe's Hostname label too
     _last: dict[Key, float] | None = field(default=None, init=False)
     _last_at: float = field(default=0.0, init=False)

@@ -40,7 +40,16 @@ from urllib.parse import urlsplit
 
 from handlers.errors import ErrorReply, retry_reply
 from llava.errors import clip
-from llava_wire import MAX_REQUEST_BYTES, NOT_READY, SESSION_HEADER
+from llava_wire import (
+    INVALID_REQUEST,
+    MAX_REQUEST_BYTES,
+    METHOD_NOT_ALLOWED,
+    NOT_FOUND,
+    NOT_READY,
+    OVERLOADED,
+    REQUEST_TOO_LARGE,
+    SESSION_HEADER,
+)
 from serving.interrupted import (
     WORKER_DIED_STATUS,
     StreamEnd,
@@ -130,7 +139,7 @@ class Front(ThreadingHTTPServer):
 def _refuse_connection(sock: socket.socket) -> None:
     """Answer an over-the-bound connection without a thread. What of its request has arrived
     is read first: closing on unread bytes would reset the connection before the reply."""
-    error = retry_reply(503, "OVERLOADED", "too many connections", 1.0)
+    error = retry_reply(503, OVERLOADED, "too many connections", 1.0)
     body = json.dumps(error.payload).encode()
     head = "".join(f"{name}: {value}\r\n" for name, value in error.headers.items())
     try:
@@ -179,10 +188,10 @@ class _FrontHandler(BaseHTTPRequestHandler):
         """The path, if the front serves this method there and the declared body fits."""
         path = urlsplit(self.path).path
         if path not in ROUTES:
-            raise Refused(404, "NOT_FOUND", f"no route {clip(path)!r}: POST /invocations")
+            raise Refused(404, NOT_FOUND, f"no route {clip(path)!r}: POST /invocations")
         if self.command not in ROUTES[path]:
             allowed = ", ".join(sorted(ROUTES[path]))
-            raise Refused(405, "METHOD_NOT_ALLOWED", f"{path} takes {allowed}", {"Allow": allowed})
+            raise Refused(405, METHOD_NOT_ALLOWED, f"{path} takes {allowed}", {"Allow": allowed})
         self._content_length()
         return path
 
@@ -279,9 +288,9 @@ class _FrontHandler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            raise Refused(400, "INVALID_REQUEST", "Content-Length is not a number") from None
+            raise Refused(400, INVALID_REQUEST, "Content-Length is not a number") from None
         if length < 0:
-            raise Refused(400, "INVALID_REQUEST", "Content-Length is negative")
+            raise Refused(400, INVALID_REQUEST, "Content-Length is negative")
         if length > MAX_BODY_BYTES:
             raise _too_large(f"a body of {length:,} bytes")
         return length
@@ -308,7 +317,7 @@ class _FrontHandler(BaseHTTPRequestHandler):
         except ValueError:
             size = -1
         if size < 0:
-            raise Refused(400, "INVALID_REQUEST", "a chunk's size is not a hex number")
+            raise Refused(400, INVALID_REQUEST, "a chunk's size is not a hex number")
         return size
 
     def _reply_error(self, error: ErrorReply) -> None:
@@ -338,7 +347,7 @@ for _method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRA
 def _too_large(what: str) -> Refused:
     return Refused(
         413,
-        "REQUEST_TOO_LARGE",
+        REQUEST_TOO_LARGE,
         f"{what} is over the {MAX_BODY_BYTES:,}-byte cap on a request (SageMaker's): "
         "pass the image by URL (https://...) or s3:// instead of inline",
     )

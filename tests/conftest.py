@@ -52,7 +52,7 @@ def recognized_samples(demo_model, n: int, seed: int = 20_000):
     from demo_model.synthetic import held_out_samples
     from llava.config import EngineConfig
     from llava.engine import Engine
-    from llava.kv.memory import MemoryBudget
+    from llava.kv.budget import MemoryBudget
 
     engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
     found = []

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from llava.kv.memory import MemoryBudget, MemoryManager
+from llava.kv.budget import MemoryBudget
+from llava.kv.memory import MemoryManager
 from llava.kv.pool import KVPool
 from llava.sessions.session import Session
 from llava.sessions.store import SessionStore, new_session_id
@@ -53,7 +54,7 @@ def make_session(
     """An opened session (not yet in a store: its holding is pinned until added)."""
     holding = memory.hold()
     features = torch.full((feature_rows, FEATURE_HIDDEN), value) if feature_rows else None
-    assert memory.reserve(holding, tokens, features) is None
+    assert memory.start(holding, tokens, features=features) is None
     session = Session(session_id or new_session_id(), list(range(tokens)), holding)
     write(memory, session, tokens, value)
     return session

@@ -8,11 +8,43 @@ exists.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from llava.config import EngineConfig, SettingsError
-from llava.kv.memory import MemoryBudget
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """``device_bytes``: the pool (KV and features); ``headroom_bytes``: device memory left
+    beside it for activations and graphs (stated, not allocated); ``host_bytes``: host KV."""
+
+    device_bytes: int
+    host_bytes: int = 0
+    headroom_bytes: int = 0
+
+    def __post_init__(self):
+        if self.device_bytes <= 0 or self.host_bytes < 0 or self.headroom_bytes < 0:
+            raise ValueError(f"bad memory budget {self}")
+
+
+# -- accounting a capacity tool can call (whole blocks, as the pool hands them out) --------
+def blocks_for(count: int, per_block: int) -> int:
+    return -(-count // per_block)
+
+
+def session_kv_bytes(tokens: int, bytes_per_token: int, block_tokens: int) -> int:
+    """Device bytes of a KV of ``tokens`` tokens; its host-tier copy takes the same."""
+    return blocks_for(tokens, block_tokens) * block_tokens * bytes_per_token
+
+
+def session_feature_bytes(
+    image_tokens: int, hidden_size: int, element_size: int, bytes_per_block: int
+) -> int:
+    """Device bytes of one session's image features, stored in whole pool blocks."""
+    elements_per_block = bytes_per_block // element_size
+    return blocks_for(image_tokens * hidden_size, elements_per_block) * bytes_per_block
 
 
 def device_split(config: EngineConfig, free: int) -> tuple[int, int]:

@@ -2,8 +2,10 @@
 
 A session's KV is a block table into that tensor plus a length, so the bytes a session holds
 are exactly blocks * bytes_per_block, and the allocator's view never moves after start-up: a
-turn that needs more than the free blocks gets ``KVPoolFull`` (the caller demotes or refuses)
-instead of an out-of-memory error mid-forward (docs/engine/memory.md §KV pool).
+reservation of more than the free blocks raises ``KVPoolFull``, taking none, instead of an
+out-of-memory error mid-forward. Nothing catches it: the memory manager (llava.kv.memory) makes
+room or refuses before it reserves, so a served turn never meets it (docs/engine/memory.md §KV
+pool).
 
 Blocks are reference-counted: a block of a shared prefix (llava.kv.prefix) sits in the block
 tables of every session that reuses it and is free only when the last one lets go; even then

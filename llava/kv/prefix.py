@@ -68,6 +68,16 @@ def block_keys(
     return keys
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first ids ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def feature_keys(image_key: bytes, blocks: int) -> list[bytes]:
     """The keys of the pool blocks holding an image's features."""
     return [hashlib.sha256(b"features %d " % i + image_key).digest() for i in range(blocks)]

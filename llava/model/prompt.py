@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llava.kv.prefix import common_prefix_length
+
 # Probe questions with different first characters, so their common prefix is the opening only.
 _PROBE_QUESTIONS = ("What is this?", "12 猫", '"Describe" it')
 _PROBE_ANSWER = "It is a probe."
@@ -51,15 +53,6 @@ def user_message(text: str, with_image: bool = False) -> dict:
 
 def assistant_message(text: str) -> dict:
     return {"role": "assistant", "content": [{"type": "text", "text": text}]}
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True)

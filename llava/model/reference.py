@@ -1,5 +1,5 @@
 """The model's own forward on a ``DynamicCache``: the reference the step runner is checked
-against (tests/unit/test_runner.py, scripts/bench_runner.py). Not on the serving path."""
+against (tests/unit/test_runner.py, scripts/bench/runner.py). Not on the serving path."""
 
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
+
+from llava.files import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,5 @@ def _hash(files: list[Path]) -> str:
 
 
 def _write_record(record: Path, key: str, digest: str) -> None:
-    # Private, whole or absent: a temp file renamed over the old record (".tmp-": what the
-    # persistent tier removes at load as an unfinished write).
-    temp = record.with_name(f".tmp-{RECORD}-{os.getpid()}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"files": key, "sha256": digest}, f)
-    os.replace(temp, record)
+    # private, whole or absent (an unfinished one is what the persistent tier removes at load)
+    write_atomically(record, json.dumps({"files": key, "sha256": digest}).encode())

@@ -1,8 +1,10 @@
 """What the engine loop runs for one request: an opening prefill, or a question's turn.
 
-Each request takes what it needs when the loop admits it (the session, KV blocks), feeds its
-ids to the steps the scheduler plans, and ends by committing (``finish``) or by undoing
-(``fail``); either way its caller's future is resolved exactly once. A turn commits exactly
+Each request takes its session's lease when the loop admits it (llava.sessions.lease: the
+session, its KV blocks, in one call), feeds its ids to the steps the scheduler plans, and ends
+by committing the lease (``finish``) or aborting it (``fail``); either way its caller's future
+is resolved exactly once. Prompts, chunks, the choice of ids, detokenizing and the futures are
+this module's; the session's state is the lease's. A turn commits exactly
 as a turn alone did: canonical prompt, cache reuse by common prefix, no end token in the
 history, and a failure demotes its session but leaves its history
 (docs/engine/prompt-fidelity.md §Canonical prompt; docs/engine/scheduling.md §Engine loop).
@@ -10,23 +12,21 @@ history, and a failure demotes its session but leaves its history
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 
 import torch
 
-from llava.errors import InvalidRequest, log_id
+from llava.errors import InvalidRequest
 from llava.exec.runner import StepInput
-from llava.kv.memory import Holding, MemoryManager, Shortfall, Tier
-from llava.kv.prefix import block_keys
+from llava.kv.holding import Tier
+from llava.kv.memory import Shortfall
 from llava.model.prompt import (
     ChatPrompt,
     assistant_message,
-    common_prefix_length,
     opening_messages,
     questions_asked,
     user_message,
@@ -35,20 +35,16 @@ from llava.model.prompt import (
 from llava.sampling.chooser import Chooser
 from llava.sampling.detokenizer import Detokenizer
 from llava.sampling.params import GenerationParams
-from llava.sessions.persist import BadEntry, NoJournal, SessionJournal, Snapshot
-from llava.sessions.session import Session, Sharing
-from llava.sessions.store import SessionStore
-
-logger = logging.getLogger(__name__)
+from llava.sessions.lease import Leases, OpeningLease, TurnLease
+from llava.sessions.session import Session
 
 
 @dataclass(frozen=True)
 class RequestContext:
     """What a request may use: no engine, so requests and the engine do not import each
-    other (docs/engine/memory.md §Memory policy)."""
+    other; the session's state only through ``leases`` (llava.sessions.lease)."""
 
-    store: SessionStore
-    memory: MemoryManager
+    leases: Leases
     prompt: ChatPrompt
     encode_image: Callable[[dict], torch.Tensor]  # vision inputs → (image tokens, hidden)
     tokenizer: object
@@ -57,74 +53,15 @@ class RequestContext:
     image_token_id: int
     max_positions: int
     max_session_tokens: int | None = None  # EngineConfig.max_session_tokens; None: no limit
-    journal: SessionJournal | NoJournal = NoJournal()
-    prefix_sharing: str = "opening"  # EngineConfig.prefix_sharing
 
-    def prefix_keys(
-        self, holding: Holding, sharing: Sharing, ids: list[int], known: list[bytes] = ()
-    ) -> list[bytes]:
-        """The content keys of the full blocks of ``ids`` in ``holding``'s session (none when
-        sharing is off); ``known``: those of its first blocks (llava.kv.prefix.block_keys).
-        Under "opening", blocks past the opening's full ones are keyed for the session alone:
-        another session's right guess of its text then finds no more than a wrong one."""
-        if self.prefix_sharing == "off":
-            return []
-        bt = self.memory.pool.block_tokens
-        own_from = sharing.opening_tokens // bt if self.prefix_sharing == "opening" else None
-        return block_keys(
-            ids,
-            bt,
-            holding.image_key,
-            self.image_token_id,
-            known,
-            tenant=sharing.tenant,
-            own_from=own_from,
-            own_salt=sharing.own_salt,
-        )
-
-    def publish(self, session: Session) -> None:
-        """The session's committed KV becomes reusable by the sessions its sharing allows
-        (before its reply goes)."""
-        holding, ids = session.holding, session.token_ids[: session.kv.length]
-        keys = self.prefix_keys(holding, session.sharing, ids, holding.block_keys)
-        self.memory.publish(holding, keys)
-
-    def feed(self, holding: Holding, held: list[int], pending: list[int], features=None) -> Feed:
-        """A feed of ``pending`` ids after the ``held`` ones its KV holds. The image features
-        leave their blocks only for a prefill that feeds image tokens (``features``: the
-        features at hand, if any)."""
+    def feed(self, lease, held: list[int], pending: list[int]) -> Feed:
+        """A feed of ``pending`` ids after the ``held`` ones the lease's KV holds. The image
+        features leave their blocks only for a prefill that feeds image tokens."""
         images_fed = held.count(self.image_token_id)
-        if not pending or images_fed >= holding.image_tokens:
-            features = None
-        elif features is None:
-            features = self.memory.features(holding)
-        return Feed(holding, pending, features, self.image_token_id, images_fed)
-
-    def persist(self, session: Session, with_features: bool = False) -> None:
-        """Write the session's committed state (at open, ``with_features``: its image features
-        too) to the persistent tier before its reply goes (docs/engine/sessions.md
-        §Persistent tier); the caller holds the session's turn."""
-        if not self.journal.enabled:
-            return
-        features = self.memory.features(session.holding) if with_features else None
-        snapshot = Snapshot(
-            session.session_id,
-            session.token_ids,
-            session.messages,
-            session.turns,
-            time.time(),
-            self.store.ttl_s,
-            None if session.holding.image_key is None else session.holding.image_key.hex(),
-            session.sharing.tenant,
-            session.sharing.opening_tokens,
-        )
-        try:
-            kept = self.journal.save(snapshot, features)
-        except Exception:  # a bug here must not fail a committed turn: the entry goes instead
-            logger.exception("persistent tier: session %s not kept", log_id(session.session_id))
-            self.journal.remove(session.session_id)
-            kept = False
-        self.memory.mark_persisted(session.holding, kept)  # parked, or else evicted, for room
+        features = None
+        if pending and images_fed < lease.image_tokens:
+            features = lease.features()
+        return Feed(lease, pending, features, self.image_token_id, images_fed)
 
     def check_length(self, needed: int) -> None:
         """Refuse a conversation that would pass the model's positions or the
@@ -173,10 +110,8 @@ class Feed:
     """A sequence's ids still to be fed, in chunks, each chunk with the image features of the
     image tokens it holds (so a prefill may be split anywhere, even inside the image)."""
 
-    def __init__(
-        self, holding: Holding, ids: list[int], features, image_token_id: int, images_fed=0
-    ):
-        self.holding = holding
+    def __init__(self, lease, ids: list[int], features, image_token_id: int, images_fed=0):
+        self.lease = lease  # llava.sessions.lease: its KV, and the undo of a failed step
         self.ids = ids
         self.features = features
         self.image_token_id = image_token_id
@@ -189,7 +124,7 @@ class Feed:
         return len(self.ids) - self.fed
 
     def next_input(self, n: int, chooser: Chooser | None) -> StepInput:
-        kv = self.holding.kv
+        kv = self.lease.kv
         self._undo = (self.fed, self.images_fed, kv.length)
         chunk = self.ids[self.fed : self.fed + n]
         self.fed += len(chunk)
@@ -200,9 +135,9 @@ class Feed:
             self.images_fed += images
         return StepInput(kv=kv, ids=chunk, image_features=features, chooser=chooser)
 
-    def rewind(self, memory: MemoryManager) -> None:
+    def rewind(self) -> None:
         self.fed, self.images_fed, length = self._undo
-        memory.rewind(self.holding, length)
+        self.lease.rewind(length)
 
     def append(self, token_id: int) -> None:
         self.ids.append(token_id)
@@ -227,7 +162,7 @@ class _Request:
         return self.feed.next_input(n, self.chooser)
 
     def rewind(self) -> None:
-        self.feed.rewind(self.context.memory)
+        self.feed.rewind()
 
 
 class OpenRequest(_Request):
@@ -243,62 +178,38 @@ class OpenRequest(_Request):
         self,
         context: RequestContext,
         deadline_s: float,
-        pixels: dict | Callable[[], dict] | None,
         session_id: str,  # the id it opens under (llava.sessions.store.full_session_id)
         image_key: bytes | None = None,
+        encode: Callable[[], torch.Tensor] | None = None,
         system: str = "",
         callers_system: bool = False,
         tenant: str | None = None,
     ):
+        """``image_key``: what the image's features and prefix are shared under (None: not
+        shared); ``encode()``: the image's features (the vision tower; None: a text-only
+        session); ``callers_system``: ``system`` is the caller's own text."""
         super().__init__(context, deadline_s)
-        # the image's pixels, or how to make them when the caller found its features held
-        # (then made here only if the features went meanwhile); None: a text-only session
-        self.pixels = pixels
-        self.session_id = session_id
-        self.image_key = image_key  # None: the image's features and prefix are not shared
         self.system = system
-        self.callers_system = callers_system  # the caller's own text, not the operator's
-        self.sharing = Sharing(tenant)
-        self.features: torch.Tensor | None = None
-        self.holding: Holding | None = None
-        self.ids: list[int] = []
+        self.lease: OpeningLease = context.leases.opening(
+            session_id, image_key, encode, self._render, tenant, callers_system
+        )
+
+    def _render(self, image_tokens: int) -> list[int]:
+        ids = self.context.prompt.opening_ids(image_tokens > 0, image_tokens, self.system)
+        self.context.check_length(len(ids))
+        return ids
 
     def admit(self, may_drop: bool = True) -> Shortfall | None:
-        context, memory = self.context, self.context.memory
-        holding = memory.hold(self.image_key)
-        try:
-            shortfall = self._reserve(holding, may_drop)
-        except BaseException:
-            memory.release(holding)
-            raise
+        lease = self.lease
+        shortfall = lease.take(may_drop)
         if shortfall is not None:
-            memory.release(holding)
             return shortfall
-        self.holding = holding
-        self.cached = cached = holding.kv.length
-        tail = self.ids[cached:]
-        if cached and len(tail) < memory.pool.block_tokens:
+        ids, cached = lease.ids, lease.reused
+        tail = ids[cached:]
+        if cached and len(tail) < lease.kv.pool.block_tokens:
             tail = []  # deferred to the first question's prefill (the history holds it)
-        self.feed = context.feed(holding, self.ids[:cached], tail, self.features)
+        self.feed = self.context.feed(lease, ids[:cached], tail)
         return None
-
-    def _reserve(self, holding: Holding, may_drop: bool) -> Shortfall | None:
-        context, memory = self.context, self.context.memory
-        shared = self.pixels is not None and memory.share_features(holding)
-        if self.pixels is not None and not shared and self.features is None:
-            pixels = self.pixels() if callable(self.pixels) else self.pixels
-            self.features = context.encode_image(pixels)  # kept if a shortfall waits
-        if self.features is not None and not shared:
-            image_tokens = self.features.shape[0]
-        else:
-            image_tokens = holding.image_tokens
-        self.ids = context.prompt.opening_ids(self.pixels is not None, image_tokens, self.system)
-        context.check_length(len(self.ids))
-        opening_tokens = 0 if self.callers_system else len(self.ids)
-        self.sharing = replace(self.sharing, opening_tokens=opening_tokens)
-        keys = context.prefix_keys(holding, self.sharing, self.ids)
-        features = None if shared else self.features
-        return memory.reserve(holding, len(self.ids), features, keys, may_drop)
 
     def stop_reason(self, now: float) -> str | None:
         return None  # one prefill: it ends at once
@@ -307,29 +218,20 @@ class OpenRequest(_Request):
         return None if self.feed.pending else EOS
 
     def finish(self, reason: str) -> None:
-        context, store = self.context, self.context.store
-        session = Session(self.session_id, self.ids, self.holding, sharing=self.sharing)
-        session.messages = opening_messages(self.system)
-        with session.lock:  # persisted before anyone else can use it
-            store.add(session)
-            self.holding = None  # the session owns it now
-            context.memory.crop(session.holding, session.kv.length)  # reserved, not written
-            context.publish(session)
-            context.persist(session, with_features=True)
+        lease = self.lease
+        committed = lease.commit(lease.ids, opening_messages(self.system))
         self.future.set_result(
             Opened(
-                session_id=session.session_id,
-                expires_at=store.expires_at(session),
+                session_id=lease.session_id,
+                expires_at=committed.expires_at,
                 prefill_tokens=len(self.feed.ids),
-                image_tokens=session.image_tokens,
-                cached_tokens=self.cached,
+                image_tokens=committed.image_tokens,
+                cached_tokens=lease.reused,
             )
         )
 
     def fail(self, error: BaseException) -> None:
-        if self.holding is not None:
-            self.context.memory.release(self.holding)
-            self.holding = None
+        self.lease.abort()
         self.future.set_exception(error)
 
 
@@ -352,57 +254,41 @@ class TurnRequest(_Request):
         self.params = params
         self.on_token = on_token
         self.cancelled = cancelled
-        self.session: Session | None = None
         self.tier: Tier | None = None  # where the first try found the session's KV
         self.chooser = Chooser(params, context.eos_token_ids)
         self.detokenizer = Detokenizer(context.tokenizer)
         self.first_token_at: float | None = None
-        self.features: torch.Tensor | None = None  # a parked session's, read back once
+        self.lease: TurnLease = context.leases.turn(session_id, self._render, params.max_new_tokens)
 
     @property
     def prefilling(self) -> bool:
         return not self.chooser.generated
 
     def admit(self, may_drop: bool = True) -> Shortfall | None:
-        context, store, memory = self.context, self.context.store, self.context.memory
-        session = store.begin_turn(self.order_key)
-        holding = session.holding
-        try:
-            if self.tier is None:
-                self.tier = session.tier
-            image_tokens = session.image_tokens
-            kept = self._kept_messages(session)
-            first_has_image = image_tokens > 0 and not questions_asked(kept)
-            self.messages = [*kept, user_message(self.question, first_has_image)]
-            self.prompt = context.prompt.ids(self.messages, image_tokens)
-            total = len(self.prompt) + self.params.max_new_tokens
-            context.check_length(total)
-            shortfall = None
-            if session.tier is Tier.HOST:  # its KV comes back first: then reuse it as usual
-                shortfall = memory.reserve(holding, 0, may_drop=may_drop)
-            if shortfall is None and holding.kv is None:  # recomputed, on any shared prefix
-                features = self._parked_features(session)
-                # at least one id is prefilled: its logits start the answer
-                keys = context.prefix_keys(holding, session.sharing, self.prompt[:-1])
-                shortfall = memory.reserve(holding, total, features, keys, may_drop)
-                self.reused = 0 if shortfall else holding.kv.length
-            elif shortfall is None:
-                self.reused = self._reuse(holding, session.token_ids)
-                shortfall = memory.reserve(holding, total - self.reused, may_drop=may_drop)
-        except BaseException:
-            store.end_turn(session)
-            raise
+        lease = self.lease
+        shortfall = lease.take(may_drop)
         if shortfall is not None:
-            store.end_turn(session)
             return shortfall
-        self.session = session
-        prompt, reused = self.prompt, self.reused
-        self.feed = context.feed(holding, prompt[:reused], prompt[reused:], self.features)
+        prompt, reused = lease.ids, lease.reused
+        self.feed = self.context.feed(lease, prompt[:reused], prompt[reused:])
         return None
+
+    def _render(self, session: Session) -> list[int]:
+        """This turn's prompt: the session's conversation (less the turns it rewinds) and the
+        question, in the checkpoint's canonical tokenization; refused if too long."""
+        if self.tier is None:
+            self.tier = session.tier
+        kept = self._kept_messages(session)
+        image_tokens = session.image_tokens
+        first_has_image = image_tokens > 0 and not questions_asked(kept)
+        self.messages = [*kept, user_message(self.question, first_has_image)]
+        prompt = self.context.prompt.ids(self.messages, image_tokens)
+        self.context.check_length(len(prompt) + self.params.max_new_tokens)
+        return prompt
 
     def _kept_messages(self, session: Session) -> list[dict]:
         """The conversation this turn follows: the session's, less the turns it rewinds. Their
-        KV needs no special care: ``_reuse`` keeps only the prefix the new prompt shares."""
+        KV needs no special care: the lease keeps only the prefix the new prompt shares."""
         if self.rewind_turns > session.turns:
             raise InvalidRequest(
                 f"'rewind_turns' is {self.rewind_turns} but the session holds {session.turns} "
@@ -410,36 +296,6 @@ class TurnRequest(_Request):
                 code="REWIND_PAST_START",
             )
         return without_last_turns(session.messages, self.rewind_turns)
-
-    def _parked_features(self, session: Session) -> torch.Tensor | None:
-        """A parked session's features: its image's, if the pool holds them, else read back
-        from the persistent tier (once: kept across a wait for room). An entry that cannot
-        be read loses the session (SESSION_EVICTED, logged with why)."""
-        holding, context = session.holding, self.context
-        if not holding.parked or context.memory.share_features(holding):
-            return None
-        if self.features is None:
-            try:
-                self.features = context.journal.features(session.session_id)
-            except BadEntry as e:
-                why = f"its persisted features are unreadable: {e}"
-                raise context.store.lose(session, why) from None
-        return self.features
-
-    def _reuse(self, holding: Holding, history: list[int]) -> int:
-        """Crop the KV to the longest prefix it shares with the prompt; return its length.
-
-        Usually that is everything cached (the prompt only appends). It is less where the
-        tokenizer merges across the old boundary, e.g. an answer whose text re-tokenizes
-        differently inside the next prompt (docs/engine/prompt-fidelity.md §Canonical prompt): the
-        prompt is the checkpoint's canonical tokenization, so the differing tail is prefilled again.
-        """
-        held = history[: holding.kv.length]
-        # at least one id is prefilled: its logits start the answer
-        reused = min(common_prefix_length(self.prompt, held), len(self.prompt) - 1)
-        if reused < holding.kv.length:
-            reused = self.context.memory.crop(holding, reused)  # less inside a shared block
-        return reused
 
     def stop_reason(self, now: float) -> str | None:
         if self.cancelled is not None and self.cancelled():
@@ -468,43 +324,33 @@ class TurnRequest(_Request):
         held_back = self.detokenizer.flush()
         if held_back:
             self._emit(held_back, None)
-        store, memory, session = self.context.store, self.context.memory, self.session
+        lease = self.lease
         generated = self.chooser.generated
         text = self.detokenizer.text
         # No end token in the history: the chat template renders none after an answer, so
         # keeping one would make every follow-up diverge from what the checkpoint sees.
         answer_ids = generated[:-1] if reason == EOS else generated
-        session.token_ids = self.prompt + answer_ids
-        session.messages = [*self.messages, assistant_message(text)]
-        session.turns = questions_asked(session.messages)
-        memory.crop(session.holding, session.kv.length)  # the blocks reserved but not written
-        self.context.publish(session)
-        self.context.persist(session)
-        store.end_turn(session)
-        self.session = None
-        store.record_turn(len(self.prompt) - self.reused, self.reused)
+        messages = [*self.messages, assistant_message(text)]
+        turns = questions_asked(messages)
+        committed = lease.commit(lease.ids + answer_ids, messages, turns)
         now = time.monotonic()
         self.future.set_result(
             Answer(
-                session_id=session.session_id,
+                session_id=lease.session_id,
                 text=text,
                 token_ids=tuple(generated),
                 finished=reason == EOS,
                 stop_reason=reason,
-                new_tokens=len(self.prompt) - self.reused,
-                cached_tokens=self.reused,
+                new_tokens=len(lease.ids) - lease.reused,
+                cached_tokens=lease.reused,
                 tier=self.tier,
-                turns=session.turns,
+                turns=turns,
                 ttft_s=(self.first_token_at or now) - self.arrived,
                 total_s=now - self.arrived,
-                expires_at=store.expires_at(session),  # the turn restarted the idle clock
+                expires_at=committed.expires_at,  # the turn restarted the idle clock
             )
         )
 
     def fail(self, error: BaseException) -> None:
-        session = self.session
-        if session is not None:  # the KV may hold a partial turn; history and messages do not
-            self.context.memory.drop_kv(session.holding)
-            self.context.store.end_turn(session)
-            self.session = None
+        self.lease.abort()
         self.future.set_exception(error)

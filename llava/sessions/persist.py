@@ -7,7 +7,7 @@ for a session with an image, a ``<id>.features`` file (its image features, writt
 open). Every file is written to a temporary name, fsynced and renamed over the old one, and
 carries a format version, the model's identity and a SHA-256 of everything before it, so an
 entry is either whole and verified or ignored. The directory is this user's alone (0700,
-checked at start: ``check_private``) and every file in it 0600. ``SessionJournal`` is what
+checked at start: llava.sessions.location) and every file in it 0600. ``SessionJournal`` is what
 one engine calls at open, after each committed turn and when a session goes; ``load`` is what
 a restarted engine adopts. No TorchServe here: the engine writes, whatever serves it.
 """
@@ -19,8 +19,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import stat
 import struct
 import threading
 import time
@@ -30,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from llava.config import EngineConfig, SettingsError
 from llava.errors import log_id
+from llava.files import TEMP_PREFIX, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +38,6 @@ STATE, FEATURES = ".state", ".features"
 _MAGIC = {STATE: b"LLVS", FEATURES: b"LLVF"}
 _HEAD = struct.Struct("<4sII")  # magic, format, header length
 _DIGEST = hashlib.sha256().digest_size
-_TEMP = ".tmp-"
 _FILE_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,255}")
 # Why ids went (closed, expired, evicted), one "<id> <code> <wall time>" line each, so a
 # restarted worker still tells a gone id from one never seen and refuses to reopen it. An id is
@@ -122,83 +119,6 @@ def model_identity(model: torch.nn.Module, dtype: torch.dtype, weights_digest: s
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-class Location(NamedTuple):
-    directory: str
-    max_bytes: int
-
-
-def persistence(config: EngineConfig) -> Location | None:
-    """Where the persistent tier lives and how many bytes it may hold, said in one log line
-    (None: the tier is off). Unless ``persist_max_bytes`` says, the cap is measured: half the
-    directory's file system. Below ``persist_min_bytes`` (Docker's default /dev/shm is 64 MB)
-    ``persist_fallback_dir`` is used instead, if it holds at least as much (docs/engine/sessions.md
-    §Persistent tier). A directory that cannot be written fails the start (SettingsError)."""
-    directory, max_bytes = config.persist_dir, config.persist_max_bytes
-    min_bytes, fallback_dir = config.persist_min_bytes, config.persist_fallback_dir
-    if directory is None:
-        return None
-    cap = check_directory(directory, max_bytes)
-    if max_bytes is None and cap < min_bytes and fallback_dir is not None:
-        fallback_cap = check_directory(fallback_dir, None, "persist_fallback_dir")
-        if fallback_cap >= cap:  # never a smaller one
-            logger.warning(
-                "persistent tier: %s holds only %d MiB, under persist_min_bytes (%d MiB): "
-                "using %s instead, up to %d MiB",
-                directory, cap >> 20, min_bytes >> 20, fallback_dir, fallback_cap >> 20,
-            )  # fmt: skip
-            return Location(fallback_dir, fallback_cap)
-    logger.info("persistent tier: %s, up to %d MiB", directory, cap >> 20)
-    return Location(directory, cap)
-
-
-def check_directory(directory: str, max_bytes: int | None, setting: str = "persist_dir") -> int:
-    """Create (0700) and try the directory; return the byte cap. A bad one is a SettingsError:
-    one that is not this user's own and private (``check_private``) is never used."""
-    path = Path(directory)
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        check_private(path, setting)
-        probe = path / f"{_TEMP}probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        problem = f"{directory} is not a writable directory ({e})"
-        raise SettingsError(setting, problem) from None
-    size = shutil.disk_usage(path).total
-    if max_bytes is None:
-        return size // 2
-    if max_bytes > size:
-        raise SettingsError(
-            "persist_max_bytes", f"{max_bytes} is more than {directory}'s {size}-byte file system"
-        )
-    return max_bytes
-
-
-def check_private(path: Path, setting: str) -> None:
-    """The directory must be this user's and writable by no one else: on a shared host (a
-    fixed path in a shared tmpfs) another user could have made it first, to read the sessions
-    or plant entries. Our own that others may only read (an older start's 0755) is narrowed.
-    Each directory above it must be root's or ours, and writable by others only with the
-    sticky bit (as /dev/shm and /tmp are), or it could be renamed away and replaced."""
-    found = path.lstat()
-    if stat.S_ISLNK(found.st_mode):
-        raise SettingsError(setting, f"{path} is a symbolic link; give a real directory")
-    if found.st_uid != os.geteuid():
-        problem = f"{path} belongs to uid {found.st_uid}, not this user ({os.geteuid()})"
-        raise SettingsError(setting, problem + "; remove it or give another directory")
-    if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        problem = f"{path} is writable by its group or others (mode {found.st_mode & 0o777:o})"
-        raise SettingsError(setting, problem + "; remove it or give another directory")
-    if found.st_mode & 0o077:
-        path.chmod(0o700)
-    for parent in path.absolute().parents:  # one who may rename it could swap it afterwards
-        above = parent.stat()
-        shared = above.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not above.st_mode & stat.S_ISVTX
-        if above.st_uid not in (0, os.geteuid()) or shared:
-            problem = f"{parent}, above it, may be changed by another user"
-            raise SettingsError(setting, problem + "; give a directory under a safe one")
-
-
 @dataclass
 class _Entry:
     """What one session's entry takes on disk, and the digest its state names."""
@@ -231,13 +151,14 @@ class NoJournal:
 
 
 class SessionJournal:
-    enabled = True
     """One engine's entries in ``directory``, at most ``max_bytes`` of them.
 
     A save that would pass the cap removes the session's entry instead (it is then not
     persisted: after a crash its id is not found, as before this tier); saves and removes are
     serialized by one lock, so a removed session is never written back.
     """
+
+    enabled = True
 
     def __init__(
         self,
@@ -282,8 +203,8 @@ class SessionJournal:
                 return self._drop(session_id, f"the directory is full ({self.max_bytes} bytes)")
             try:
                 if features_file is not None:  # first: the state names them
-                    _write_atomically(self._path(session_id, FEATURES), features_file)
-                _write_atomically(self._path(session_id, STATE), state)
+                    write_atomically(self._path(session_id, FEATURES), features_file)
+                write_atomically(self._path(session_id, STATE), state)
             except OSError as e:
                 return self._drop(session_id, f"writing failed ({e.strerror or type(e).__name__})")
             self._total += new.total - old.total
@@ -305,7 +226,7 @@ class SessionJournal:
         with one log line each."""
         found: dict[str, set[str]] = {}
         for path in self.directory.iterdir():
-            if path.name.startswith(_TEMP):
+            if path.name.startswith(TEMP_PREFIX):
                 _discard(path, "an unfinished write")
             elif path.suffix in (STATE, FEATURES):
                 found.setdefault(path.stem, set()).add(path.suffix)
@@ -462,7 +383,7 @@ class SessionJournal:
 
     def _rewrite_gone(self, gone: dict[str, tuple[str, float]]) -> None:
         text = "".join(f"{i} {why} {went:.3f}\n" for i, (why, went) in gone.items())
-        _write_atomically(self.directory / GONE_LOG, text.encode())
+        write_atomically(self.directory / GONE_LOG, text.encode())
         self._gone_lines = self._gone_kept = len(gone)
 
     # -- removal (the caller holds self._lock, or is load) ---------------------------------
@@ -530,27 +451,6 @@ def _tensor(header: dict, payload: bytes) -> torch.Tensor:
         raise BadEntry(f"features that do not fit their header ({e})") from None
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync of the directory: a crash leaves the old file or the
-    new one, never part of either (an unfinished temp file is removed at the next load)."""
-    temp = path.with_name(f"{_TEMP}{path.name}-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 def _discard(path: Path, why: str) -> None:
     # files are named by their session's id: the log shows its tag instead
     logger.warning("persistent tier: removed %s%s: %s", log_id(path.stem), path.suffix, why)
@@ -565,12 +465,3 @@ def forget_old_gone(
     while len(gone) > REMEMBERED_GONE and next(iter(gone.values()))[1] < before:
         del gone[next(iter(gone))]
     return gone
-
-
-def open_journal(
-    location: Location | None, model: str, vocab_size: int, ttl_s: float
-) -> SessionJournal | NoJournal:
-    """The engine's journal at ``location`` (``persistence``'s; None: the tier is off)."""
-    if location is None:
-        return NoJournal()
-    return SessionJournal(location.directory, location.max_bytes, model, vocab_size, ttl_s)

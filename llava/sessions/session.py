@@ -10,7 +10,7 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 
-from llava.kv.memory import Holding, Tier
+from llava.kv.holding import Holding, Tier
 from llava.kv.pool import SessionKV
 
 __all__ = ["Session", "Sharing", "Tier"]

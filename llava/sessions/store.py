@@ -43,7 +43,8 @@ from llava.errors import (
     SessionNotFound,
     log_id,
 )
-from llava.kv.memory import Holding, IntegrityError
+from llava.kv.holding import Holding
+from llava.kv.integrity import IntegrityError
 from llava.sessions.persist import NoJournal, forget_old_gone
 from llava.sessions.session import Session
 

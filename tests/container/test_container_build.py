@@ -89,7 +89,8 @@ def imported_packages(*places: str) -> set[str]:
 
 def test_the_image_installs_every_package_its_entrypoint_imports():
     """docker/serve.py imports installed packages only (no sys.path edits): each one it, the
-    serving runtime or the handler imports must be copied before the image's pip install."""
+    serving runtime (serving/container.py, its start, among it) or the handler imports must be
+    copied before the image's pip install."""
     lines = (REPO / "Dockerfile").read_text().splitlines()
     install = next(i for i, line in enumerate(lines) if 'pip install ".[' in line)
     copied = {

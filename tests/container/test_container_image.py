@@ -155,9 +155,8 @@ def test_the_image_is_what_sagemaker_runs(tmp_path):
     assert "8080/tcp" in config["ExposedPorts"]
     assert not any(e.startswith(("PYTHONPATH=", "PIP_FIND_LINKS=")) for e in config["Env"])
     # The entrypoint's own default port, read inside the image (the tests override it).
-    probe = "import serve; print(serve.Settings.from_env({}).port)"
-    run = docker("run", "--rm", "--network", "none", "-w", "/opt/stateful-llava/docker",
-                 IMAGE, "python", "-c", probe)  # fmt: skip
+    probe = "from serving.container import Settings; print(Settings.from_env({}).port)"
+    run = docker("run", "--rm", "--network", "none", IMAGE, "python", "-c", probe)
     assert run.stdout.strip() == "8080", run.stderr
     # Not root, and what it needs is there for it: the model SageMaker mounts read-only and
     # owned by root (this test runs as root, so the files here are root's) is readable, and

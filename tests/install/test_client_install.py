@@ -32,13 +32,15 @@ def test_the_client_installs_and_imports_without_torch(tmp_path):
         timeout=600,
     )
     assert installed.returncode == 0, installed.stderr[-3000:]
-    listed = subprocess.run([python, "-m", "pip", "list"], capture_output=True, text=True)
+    listed = subprocess.run(
+        [python, "-m", "pip", "list"], capture_output=True, text=True, timeout=120
+    )
     names = {line.split()[0].lower() for line in listed.stdout.splitlines()[2:]}
     assert "boto3" in names and "stateful-llava" in names
     assert not names & {"torch", "transformers", "torchserve", "pillow"}
     clean_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not the repo's copy
     imported = subprocess.run(
-        [python, "-c", IMPORTS], capture_output=True, text=True, cwd="/", env=clean_env
+        [python, "-c", IMPORTS], capture_output=True, text=True, cwd="/", env=clean_env, timeout=120
     )
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.strip().startswith(str(venv))

@@ -61,5 +61,6 @@ def test_the_entry_point_starts_from_the_installed_packages(installed, entry):
         text=True,
         cwd="/",
         env=clean_env,
+        timeout=120,
     )
     assert where.stdout.startswith(str(installed).rsplit("/bin/", 1)[0]), where.stdout

@@ -60,7 +60,7 @@ class Container(FrontClient):
         self.port, *ts_ports = free_ports(4)
         self.ts_inference_port = ts_ports[0]
         self.management_url = f"http://127.0.0.1:{ts_ports[1]}"
-        self.ts_root = tmp / "work" / "ts"  # docker/serve.py's TorchServe instance directory
+        self.ts_root = tmp / "work" / "ts"  # serving/container.py's TorchServe instance directory
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "container.log"
         environ = {
@@ -254,6 +254,7 @@ def test_a_killed_worker_restarts_torchserve_with_503s_meanwhile_and_the_bound_e
         ("not-json", {}, "cannot be served: config.json is not a JSON object"),
         ("mar", {"LLAVA_SESION_TTL_S": "5"}, "unknown setting LLAVA_SESION_TTL_S"),
         ("mar", {"LLAVA_SESSION_TTL_S": "abc"}, "bad setting LLAVA_SESSION_TTL_S"),
+        ("mar", {"LLAVA_MAX_BATCH": "0"}, "bad setting LLAVA_MAX_BATCH: 0 is not an integer > 0"),
         ("mar", {"SES_TTL_MIN": "10", "LLAVA_SESSION_TTL_S": "300"}, "conflicts with LLAVA_"),
         ("mar", {"SERVE_PORT": "http"}, "bad SERVE_* setting"),
         ("mar", {"SERVE_ENDPOINT_NAME": "llava chat"}, "bad SERVE_ENDPOINT_NAME: 'llava chat'"),

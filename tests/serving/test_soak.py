@@ -1,5 +1,5 @@
 """`make soak`, short: load, faults and bad input together through boto3 against the local
-endpoint over two real TorchServe instances (scripts/soak.py), its table's rules as the verdict.
+endpoint over two real TorchServe instances (scripts/soak/), its table's rules as the verdict.
 
 Bounded: 40 s of load with 4 conversations, plus the endpoint's start and stop (~1.5 min here),
 every fault included: the killed worker's sessions go on (the persistent tier).

@@ -193,7 +193,7 @@ def test_streams_beside_cpu_hogs_arrive_whole_round_after_round(server, images):
     finally:
         for hog in hogs:
             hog.kill()
-            hog.wait()
+            hog.wait(timeout=30)
 
 
 def test_a_request_slower_than_response_timeout_keeps_the_worker(server, images):

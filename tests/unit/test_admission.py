@@ -18,7 +18,7 @@ from llava.errors import (
     SessionIdInUse,
     SessionNotFound,
 )
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 
 LONG_ID = "conversation-1a2b3c4d5e6f7a8b9c0d1e2f"  # 36 of [a-z0-9]: 186 bits, kept as it is
 

@@ -13,6 +13,9 @@ from torch.nn.attention.flex_attention import flex_attention
 from llava.exec.attention import QUERY_BLOCK, paged_attention, paged_block_mask
 from llava.exec.step_meta import row_slots
 
+# Each shape compiles flex attention on the CPU (seconds): make test runs these, the GPU check
+# runs the paged path on CUDA.
+pytestmark = pytest.mark.thorough
 BT = 4  # small blocks: many partial and full blocks in a short sequence
 POOL_BLOCKS = 64
 

@@ -23,7 +23,8 @@ from capacity.sizing import (
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv.memory import MemoryBudget, Tier, session_kv_bytes
+from llava.kv.budget import MemoryBudget, session_kv_bytes
+from llava.kv.holding import Tier
 from llava.model.checkpoint import inspect_checkpoint
 from llava.model.vision import image_tokens
 from tests.checkpoints import LLAVA_15, LLAVA_NEXT, UNSUPPORTED, unsupported_checkpoint
@@ -48,7 +49,7 @@ def test_a_sessions_persistent_entry_takes_about_what_capacity_predicts(demo_mod
     session_id = engine.open(held_out_samples(1, seed=71_001)[0].image).session_id
     engine.ask(session_id, "What color is the shape?", {"max_new_tokens": 60})
     features = (tmp_path / f"{session_id}.features").stat().st_size
-    written = engine.journal.total_bytes
+    written = engine.persistent.journal.total_bytes
     predicted = session_bytes(load_checkpoint(str(DEMO_MODEL_DIR), torch.float32), Workload(1, 60))
     assert features < predicted.persisted
     assert abs(predicted.persisted - written) <= 0.1 * written, (predicted.persisted, written)
@@ -148,6 +149,7 @@ def test_the_cli_sizes_llava_next_on_the_three_instances(capsys):
     assert hot == {"ml.g5.2xlarge": 17, "ml.g5.12xlarge": 4 * 17, "ml.p4d.24xlarge": 8 * 40}
 
 
+@pytest.mark.thorough  # a child process each (the refusals in-process: test_checkpoint_inspect)
 @pytest.mark.parametrize("case", list(UNSUPPORTED))
 def test_a_checkpoint_the_engine_refuses_is_refused_in_one_line(tmp_path, case):
     """The engine start's own refusal (llava.model.checkpoint), on stderr, exit 1, no table and

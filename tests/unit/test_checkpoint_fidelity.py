@@ -20,7 +20,7 @@ from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGenerati
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import InvalidRequest
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from llava.model.loading import load_model
 from llava.model.prompt import ChatPrompt, assistant_message, system_message, user_message
 

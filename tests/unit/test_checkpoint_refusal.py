@@ -24,6 +24,9 @@ from tests.checkpoints import (
 from tests.conftest import REPO
 
 REFUSAL_S = 30  # a bound, not a benchmark: seconds, not a weight load
+# Child processes, each importing the engine (seconds apiece on a CPU): make test runs them;
+# the refusals themselves are checked in-process in tests/unit/test_checkpoint_inspect.py.
+pytestmark = pytest.mark.thorough
 
 
 def make_mar(*args: str | Path) -> tuple[subprocess.CompletedProcess, float]:

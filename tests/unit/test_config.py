@@ -51,6 +51,10 @@ def test_defaults_and_good_values_load():
         ({"LLAVA_ATTENTION": "paged"}, "LLAVA_ATTENTION", "'paged' is not one of auto, flex"),
         ({"LLAVA_CUDA_GRAPHS": "yes"}, "LLAVA_CUDA_GRAPHS", "'yes' is not true or false"),
         ({"LLAVA_CUDA_GRAPHS": "0"}, "LLAVA_CUDA_GRAPHS", "0 is not true or false"),
+        ({"LLAVA_MAX_BATCH": "0"}, "LLAVA_MAX_BATCH", "0 is not an integer > 0"),
+        ({"LLAVA_MAX_BATCH": "8.5"}, "LLAVA_MAX_BATCH", "8.5 is not an integer > 0"),
+        ({"LLAVA_PREFILL_CHUNK_TOKENS": "-1"}, "LLAVA_PREFILL_CHUNK_TOKENS", "integer > 0"),
+        ({"LLAVA_MIXED_STEPS": "no"}, "LLAVA_MIXED_STEPS", "'no' is not true or false"),
     ],
 )
 def test_bad_environment_value_names_the_variable(environ, named, says):
@@ -71,6 +75,8 @@ def test_bad_environment_value_names_the_variable(environ, named, says):
         ({"intake": ["x"]}, "model-config.yaml handler.intake", "not a JSON object"),
         ({"attention": "SDPA"}, "model-config.yaml handler.attention", "one of auto, flex, triton"),
         ({"cuda_graphs": "off"}, "model-config.yaml handler.cuda_graphs", "true or false"),
+        ({"max_batch": True}, "model-config.yaml handler.max_batch", "True is not an integer"),
+        ({"mixed_steps": 1}, "model-config.yaml handler.mixed_steps", "true or false"),
         (None, "model-config.yaml handler", "must be a mapping"),
     ],
 )
@@ -94,6 +100,22 @@ def test_attention_and_cuda_graphs_settings():
             EngineConfig(model_dir="-", **{field: value})
         assert failure.value.setting == field
         assert str(failure.value).startswith(f"bad setting {field}: ")
+
+
+def test_scheduler_settings():
+    """32 sequences a step, 512 prefill ids a step, mixed steps by default; the archive and the
+    environment set them like any setting; a bad value is one line naming its field."""
+    default = load_config({}, {}, BASE)
+    assert (default.max_batch, default.prefill_chunk_tokens, default.mixed_steps) == (32, 512, True)
+    environ = {"LLAVA_MAX_BATCH": "8", "LLAVA_MIXED_STEPS": "false"}
+    config = load_config({"max_batch": 1, "prefill_chunk_tokens": 256}, environ, BASE)
+    assert (config.max_batch, config.prefill_chunk_tokens, config.mixed_steps) == (8, 256, False)
+    for field, value in (("max_batch", 0), ("prefill_chunk_tokens", "512"), ("mixed_steps", None)):
+        with pytest.raises(SettingsError) as failure:
+            EngineConfig(model_dir="-", **{field: value})
+        assert failure.value.setting == field
+        message = str(failure.value)
+        assert message.startswith(f"bad setting {field}: ") and "\n" not in message
 
 
 def test_environment_wins_and_is_blamed_only_for_its_own_value():

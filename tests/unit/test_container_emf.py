@@ -100,11 +100,14 @@ class Frontend:
         self._handler.emit = lambda record: self.take(record.getMessage())
         self._logger = logging.getLogger("ts.metrics.caching_metric")
         self._logger.addHandler(self._handler)
-        self._level, self._logger.level = self._logger.level, logging.INFO
+        # setLevel, not the attribute: it clears the logger's cached answers, which an earlier
+        # test's logging left saying INFO is off
+        self._level = self._logger.level
+        self._logger.setLevel(logging.INFO)
 
     def close(self) -> None:
         self._logger.removeHandler(self._handler)
-        self._logger.level = self._level
+        self._logger.setLevel(self._level)
 
     def take(self, message: str) -> None:
         name, value, dimensions, kind = self.LINE.match(message).groups()
@@ -133,7 +136,7 @@ def frontend():
 
 
 def turn(metrics, total_s: float, ttft_s: float) -> None:
-    from llava.kv.memory import Tier
+    from llava.kv.holding import Tier
 
     # What SessionMetrics.turn reads of the engine's Answer.
     metrics.turn(

@@ -97,6 +97,7 @@ def test_accuracy_on_plain_shapes_drawn_by_other_code(demo_model):
     assert_accurate(evaluate(demo_model, samples))
 
 
+@pytest.mark.thorough  # the model's answers about a sample per off-topic question
 def test_questions_it_does_not_know_get_i_dont_know(demo_model):
     share = declined(demo_model, held_out_samples(len(HELD_OUT_OFF_TOPIC)), HELD_OUT_OFF_TOPIC)
     assert share >= MIN_DECLINED
@@ -148,6 +149,7 @@ def test_samples_are_a_function_of_their_seed():
     assert draw_sample(random.Random(5), "light").family == "light"
 
 
+@pytest.mark.thorough  # 300 images drawn
 def test_held_out_set_is_as_broad_as_promised():
     samples = held_out_samples(300, families=FAMILIES)
     assert {s.family for s in samples} == set(FAMILIES)
@@ -163,6 +165,7 @@ def test_held_out_seeds_never_overlap_training_seeds():
         held_out_samples(1, seed=TRAIN_SEEDS.stop - 1)
 
 
+@pytest.mark.thorough  # 300 images drawn
 def test_samples_cover_every_shape_and_colour():
     samples = held_out_samples(300)
     assert {s.shape for s in samples} == set(SHAPES)
@@ -170,7 +173,7 @@ def test_samples_cover_every_shape_and_colour():
 
 
 def test_realistic_next_shape_is_a_servable_next_checkpoint(tmp_path):
-    """``--config realistic-next`` (scripts/bench_turns.py's NeXT shape): its small files pass
+    """``--config realistic-next`` (scripts/bench/turns.py's NeXT shape): its small files pass
     the engine's checkpoint checks, with NeXT's geometry, a GQA Mistral LM and the fixture's
     template (the weights are not built here: the bench builds them)."""
     shape = CONFIGS["realistic-next"]

@@ -24,6 +24,9 @@ IMAGE = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/stateful-llava:v1"
 ROLE = "arn:aws:iam::123456789012:role/sagemaker"
 # moto (5.2) knows only older instance types: no ml.g5.*.
 INSTANCE = "ml.g4dn.xlarge"
+# A moto server and sagemaker-core's first requests: seconds in each process that runs any of
+# these, so make test runs them and make test-fast leaves them out.
+pytestmark = pytest.mark.thorough
 
 
 def _omit_empty(describe):

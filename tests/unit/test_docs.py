@@ -41,6 +41,7 @@ def repo_text_files() -> dict[str, str]:
         capture_output=True,
         text=True,
         check=True,
+        timeout=60,
     ).stdout.split()
     texts = {}
     for name in listed:

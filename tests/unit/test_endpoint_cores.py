@@ -73,7 +73,11 @@ def test_a_bad_threads_value_refuses_the_start_in_one_line(tmp_path, capsys, val
 def test_make_endpoint_passes_the_operators_threads():
     def launcher_words(*settings: str) -> list[str]:
         done = subprocess.run(
-            ["make", "-n", "endpoint", *settings], cwd=REPO, capture_output=True, text=True
+            ["make", "-n", "endpoint", *settings],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert done.returncode == 0, done.stderr
         lines = done.stdout.replace("\\\n", " ").splitlines()  # the recipe's continued line

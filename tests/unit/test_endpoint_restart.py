@@ -53,6 +53,7 @@ def test_a_stopped_endpoint_can_start_again_at_once_on_its_port():
         ["ss", "-tan", "state", "time-wait", f"( sport = :{port} )"],
         capture_output=True,
         text=True,
+        timeout=30,
     )
     assert f":{port}" in timewait.stdout, "no TIME_WAIT socket: this test would prove nothing"
     check_port_free(port)  # what `make endpoint` asks first

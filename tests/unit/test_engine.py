@@ -15,7 +15,7 @@ from llava.engine import Engine
 from llava.errors import InvalidRequest, SessionNotFound
 from llava.exec.attention import PAGED
 from llava.exec.runner import RunnerCounters
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from llava.sessions.session import Tier
 from tests.conftest import recognized_samples
 from tests.memory_helpers import FakeClock
@@ -250,8 +250,25 @@ def image():
 
 
 @pytest.fixture(scope="module")
-def default_answers(demo_model, image):
-    return answers_of(Engine(demo_model, EngineConfig(model_dir="-"), SMALL_BUDGET), image)
+def engine_for(demo_model):
+    """The module's engine for these settings, built once per distinct config: the default
+    one answers for default_answers, then again, warmed up, as "auto"."""
+    built: list[tuple[EngineConfig, Engine]] = []
+
+    def engine_for(**settings) -> Engine:
+        config = EngineConfig(model_dir="-", **settings)
+        for known, engine in built:
+            if known == config:
+                return engine
+        built.append((config, Engine(demo_model, config, SMALL_BUDGET)))
+        return built[-1][1]
+
+    return engine_for
+
+
+@pytest.fixture(scope="module")
+def default_answers(engine_for, image):
+    return answers_of(engine_for(), image)
 
 
 @pytest.mark.parametrize(
@@ -260,9 +277,9 @@ def default_answers(demo_model, image):
     ids=["sdpa", "no-graphs", "auto"],
 )
 def test_attention_and_graph_settings_answer_as_the_default(
-    demo_model, image, default_answers, settings, paged_on_cuda
+    demo_model, image, engine_for, default_answers, settings, paged_on_cuda
 ):
-    engine = Engine(demo_model, EngineConfig(model_dir="-", **settings), SMALL_BUDGET)
+    engine = engine_for(**settings)
     engine.warm_up()
     if demo_model.device.type == "cpu" or not paged_on_cuda:  # auto is sdpa on CPU
         assert engine.runner.attention == "sdpa" and engine.runner.graphs is None

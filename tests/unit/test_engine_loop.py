@@ -13,7 +13,7 @@ from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import ShardFailed
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from llava.sched.loop import device_lost
 from llava.sessions.session import Tier
 from tests.unit.test_reaper import wait_until
@@ -27,8 +27,8 @@ QUESTIONS = [
 ]
 
 
-def new_engine(demo_model, **options) -> Engine:
-    return Engine(demo_model, EngineConfig("-"), MemoryBudget(64 << 20), **options)
+def new_engine(demo_model, **settings) -> Engine:
+    return Engine(demo_model, EngineConfig("-", **settings), MemoryBudget(64 << 20))
 
 
 def record_batch_sizes(engine: Engine) -> list[int]:
@@ -55,7 +55,7 @@ def test_eight_sessions_batched_answer_exactly_as_each_alone(demo_model):
     engine = new_engine(demo_model)
     sizes = record_batch_sizes(engine)
     results: dict[int, list] = {}
-    start = threading.Barrier(len(images))
+    start = threading.Barrier(len(images), timeout=60)
 
     def client(index: int) -> None:
         start.wait()

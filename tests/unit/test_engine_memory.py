@@ -14,7 +14,8 @@ from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import Busy, NoCapacity, SessionNotFound
-from llava.kv.memory import MemoryBudget, Tier
+from llava.kv.budget import MemoryBudget
+from llava.kv.holding import Tier
 
 SHORT = {"max_new_tokens": 4}
 

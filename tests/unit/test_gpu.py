@@ -10,7 +10,7 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv.memory import Tier
+from llava.kv.holding import Tier
 from llava.shards import ShardedEngine
 from tests.conftest import DEMO_MODEL_DIR
 from tests.unit.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
@@ -101,7 +101,7 @@ def batched_and_alone(engine_for, images) -> tuple[list, list]:
 
 
 def cuda_engine(
-    dtype: str, prefix_sharing: str = "opening", system_prompt: str = "", **options
+    dtype: str, prefix_sharing: str = "opening", system_prompt: str = "", **settings
 ) -> Engine:
     config = EngineConfig(
         model_dir=str(DEMO_MODEL_DIR),
@@ -110,8 +110,9 @@ def cuda_engine(
         session_budget_bytes=POOL_BYTES,
         prefix_sharing=prefix_sharing,
         system_prompt=system_prompt,
+        **settings,
     )
-    engine = Engine.from_config(config, **options)
+    engine = Engine.from_config(config)
     engine.warm_up()  # captures the decode graphs
     return engine
 

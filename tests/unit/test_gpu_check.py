@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from scripts.gpu_check import DEFAULT_STEPS
-from scripts.gpu_steps import _where_time_went, cuda_test_files, cuda_tests_problem, outcome_counts
+from scripts.gpu.check import DEFAULT_STEPS
+from scripts.gpu.steps import _where_time_went, cuda_test_files, cuda_tests_problem, outcome_counts
 
 # each step is a child process that imports torch
 thorough = pytest.mark.thorough
@@ -81,7 +81,7 @@ def test_a_step_past_its_budget_is_cut_with_its_stacks_and_the_next_one_runs(tmp
 @thorough
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: it would measure")
 @pytest.mark.parametrize(
-    "command", [["scripts.gpu_block_sizes"], ["scripts.gpu_compiled_decode", "eager", "out.json"]]
+    "command", [["scripts.gpu.block_sizes"], ["scripts.gpu.compiled_decode", "eager", "out.json"]]
 )
 def test_a_gpu_experiment_without_cuda_says_so_in_one_line(command):
     command = [sys.executable, "-m", *command]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.gpu_probe import CPU_SHAPES, PROBES, Probe, cuda_sdpa_backend, run_probe
+from scripts.gpu.probe import CPU_SHAPES, PROBES, Probe, cuda_sdpa_backend, run_probe
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER = {"probe", "device", "torch", "dtype", "seconds"}

@@ -72,6 +72,7 @@ def static_step(runner: Runner, batch, size: int) -> StaticDecode:
     return step
 
 
+@pytest.mark.thorough  # flex attention compiled on a CPU (seconds)
 def test_a_decode_padded_to_its_bucket_answers_as_the_packed_step(decoding):
     runner, kvs, other = decoding
     other_slots = torch.tensor([b * 16 + o for b in other.blocks for o in range(16)])
@@ -145,6 +146,7 @@ def cpu_captures(monkeypatch):
     monkeypatch.setattr(llava.exec.graphs, "_reserved_bytes", lambda device: 0)
 
 
+@pytest.mark.thorough  # flex attention compiled on a CPU (seconds)
 @pytest.mark.parametrize(
     ("error", "captured", "failed"),
     [
@@ -173,15 +175,15 @@ def test_a_bucket_that_fails_to_capture_is_left_eager(
     assert graphs.run(two, [i.chooser for i in two]) == expected
 
 
+@pytest.mark.thorough  # flex attention compiled on a CPU (seconds)
 def test_an_engine_whose_graph_capture_fails_answers_as_the_default(
     demo_model, cpu_captures, monkeypatch, caplog
 ):
     failure = RuntimeError("capture failed\nCUDA error: operation not permitted when capturing")
     monkeypatch.setattr(llava.exec.graphs, "_capture", capture_failing_at(2, failure))
     image = held_out_samples(1, seed=35_000)[0].image
-    engine = Engine(
-        demo_model, EngineConfig(model_dir="-", attention="flex"), SMALL_BUDGET, max_batch=2
-    )
+    config = EngineConfig(model_dir="-", attention="flex", max_batch=2)
+    engine = Engine(demo_model, config, SMALL_BUDGET)
     with caplog.at_level(logging.WARNING, logger="llava.exec.graphs"):
         engine.warm_up()
     assert sorted(engine.runner.graphs.steps) == [1]
@@ -196,6 +198,7 @@ def test_an_engine_whose_graph_capture_fails_answers_as_the_default(
     engine.check_integrity()  # the graphs' scratch block is on the books
 
 
+@pytest.mark.thorough  # flex attention compiled on a CPU (seconds)
 def test_a_small_pool_still_gets_graphs_up_to_the_floor(decoding, cpu_captures, monkeypatch):
     """A twentieth of a small pool holds no graph (seen on an H200 with a 1 GiB pool): the
     graphs' budget is never under GRAPHS_BUDGET_FLOOR, and captures stop past it."""
@@ -210,6 +213,7 @@ def test_a_small_pool_still_gets_graphs_up_to_the_floor(decoding, cpu_captures, 
     assert graphs.reserved_bytes == 500 << 20
 
 
+@pytest.mark.thorough  # flex attention compiled on a CPU (seconds)
 def test_a_short_prefill_rides_in_a_decode_graph_beside_decode_rows(
     decoding, cpu_captures, monkeypatch
 ):

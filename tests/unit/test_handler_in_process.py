@@ -17,7 +17,7 @@ from handlers.llava_handler import ENGINE_LOST_EXIT_CODE, LlavaHandler
 from handlers.service import LlavaService
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from scripts.handler_harness import InProcessWorker, Reply
 from tests.intake_servers import image_bytes
 from tests.unit.test_reaper import wait_until

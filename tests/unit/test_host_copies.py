@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from llava.kv.holding import Tier
 from llava.kv.host_copies import PAGE, HostCopies, Piece, pieces
-from llava.kv.memory import Tier
 from llava.kv.pool import KVPool
 from tests.memory_helpers import new_memory
 from tests.unit.test_prefix_memory import family, open_on, values
@@ -87,7 +87,7 @@ def test_a_piece_is_bounded_by_the_staging_bytes_and_the_pool():
 
 def test_a_session_on_a_shared_prefix_comes_back_from_the_host_with_only_its_own_blocks_copied():
     memory = new_memory(blocks=20, host_blocks=10)
-    memory._copies = copies_of(memory.pool, chunk_blocks=1)  # several pieces a layer
+    memory._host.copies = copies_of(memory.pool, chunk_blocks=1)  # several pieces a layer
     _, keys = family(0, 3)
     owner = open_on(memory, keys, own=3, prefix_value=4.0, value=1.0)  # 3 shared + 2 own
     memory.unpin(owner)
@@ -95,15 +95,15 @@ def test_a_session_on_a_shared_prefix_comes_back_from_the_host_with_only_its_own
     memory.unpin(sharer)
     assert memory.move_down(owner) is Tier.HOST
     assert owner.host.data.shape[1] == 5  # the host copy is the session's own, shared included
-    copied, to_device = [], memory._copies.to_device
+    copied, to_device = [], memory._host.copies.to_device
 
     def counted(host, blocks, skip):
         copied.append((len(blocks), skip))
         to_device(host, blocks, skip)
 
-    memory._copies.to_device = counted
+    memory._host.copies.to_device = counted
     memory.pin(owner)
-    assert memory.reserve(owner, 1) is None
+    assert memory.restore(owner) is None
     assert copied == [(2, 3)]
     assert owner.kv.blocks[:3] == sharer.kv.blocks[:3]
     assert values(memory, owner).tolist() == [4.0] * 6 + [1.0] * 3

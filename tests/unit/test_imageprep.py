@@ -10,7 +10,7 @@ from PIL import Image, ImageDraw
 
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from llava.model.imageprep import PAD, image_aspect_ratio, mean_fill, pad_to_square, prepare_image
 
 

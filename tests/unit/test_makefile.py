@@ -40,6 +40,12 @@ def test_setup_on_a_cuda_machine_takes_torch_from_the_index_given(tmp_path):
     assert installs[2] == PROJECT
 
 
+def test_setup_installs_the_jdk_whose_jcmd_the_leak_test_needs(tmp_path):
+    """The JRE alone has java but not jcmd: test_torchserve_async's leak test would skip."""
+    [java] = [line for line in dry_run("setup", f"VENV={tmp_path}/venv") if "openjdk" in line]
+    assert java.startswith("command -v jcmd ") and "openjdk-17-jdk-headless" in java
+
+
 def test_image_is_the_production_build_and_the_container_tier_runs_after_test():
     [build] = [line for line in dry_run("image") if line.startswith("docker")]
     # the Dockerfile's defaults: CUDA torch (its own check), Docker Hub's python base

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from llava.errors import NoCapacity, SessionNotFound
-from llava.kv.memory import MemoryManager, Shortfall, Tier
+from llava.kv.holding import Tier
+from llava.kv.memory import MemoryManager, Shortfall
 from tests.memory_helpers import (
     FEATURE_HIDDEN,
     FakeClock,
@@ -35,7 +36,7 @@ def test_features_live_in_pool_blocks_and_come_back_exactly():
     memory = new_memory(blocks=8)
     holding = memory.hold()
     features = torch.randn(40, FEATURE_HIDDEN)  # 320 elements: 2 blocks of 256
-    assert memory.reserve(holding, 3, features) is None
+    assert memory.start(holding, 3, features=features) is None
     assert len(holding.feature_blocks) == 2
     assert torch.equal(memory.features(holding), features)
     stats = memory.stats()
@@ -77,15 +78,15 @@ def test_demotion_order_is_device_then_host_then_features_then_gone():
         clock.now += 1
         store.add(session)
     newcomer = memory.hold()
-    assert memory.reserve(newcomer, 10) is None  # 5 blocks: `a`'s KV goes to the host
+    assert memory.start(newcomer, 10) is None  # 5 blocks: `a`'s KV goes to the host
     assert (a.tier, b.tier, c.tier) == (Tier.HOST, Tier.KV, Tier.KV)
     memory.release(newcomer)
     newcomer = memory.hold()
-    assert memory.reserve(newcomer, 20) is None  # 10 blocks: `b` to host drops `a`'s copy
+    assert memory.start(newcomer, 20) is None  # 10 blocks: `b` to host drops `a`'s copy
     assert (a.tier, b.tier, c.tier) == (Tier.FEATURES, Tier.HOST, Tier.KV)
     memory.release(newcomer)
     newcomer = memory.hold()
-    assert memory.reserve(newcomer, 36) is None  # 18 blocks: all KV off, then `a` goes whole
+    assert memory.start(newcomer, 36) is None  # 18 blocks: all KV off, then `a` goes whole
     assert a.session_id not in store and (b.tier, c.tier) == (Tier.FEATURES, Tier.HOST)
     counters = memory.stats().counters
     assert (counters.moved_to_host, counters.demoted, counters.evicted) == (3, 2, 1)
@@ -106,13 +107,13 @@ def test_sessions_the_persistent_tier_holds_are_parked_and_only_the_others_evict
     for session in (kept, newer):
         memory.mark_persisted(session.holding, True)
     newcomer = memory.hold()
-    assert memory.reserve(newcomer, 36) is None  # 18 blocks: all KV off, then one feature block
+    assert memory.start(newcomer, 36) is None  # 18 blocks: all KV off, then one feature block
     # the least recently used session the persistent tier holds is parked; `old` is older,
     # but evicting it would lose it
     assert (old.tier, kept.tier, newer.tier) == (Tier.FEATURES, Tier.PERSISTED, Tier.FEATURES)
     memory.release(newcomer)
     newcomer = memory.hold()
-    assert memory.reserve(newcomer, 40) is None  # the whole pool: `newer` parked, `old` evicted
+    assert memory.start(newcomer, 40) is None  # the whole pool: `newer` parked, `old` evicted
     assert old.session_id not in store and (kept.tier, newer.tier) == (Tier.PERSISTED,) * 2
     counters = memory.stats().counters
     assert (counters.demoted, counters.parked, counters.evicted) == (3, 2, 1)
@@ -120,8 +121,10 @@ def test_sessions_the_persistent_tier_holds_are_parked_and_only_the_others_evict
     store.check_integrity()
     with store.use(kept.session_id) as session:  # its features come back from the tier
         with pytest.raises(ValueError, match="parked"):
-            memory.reserve(session.holding, 4)
-        assert memory.reserve(session.holding, 4, torch.full((10, FEATURE_HIDDEN), 2.0)) is None
+            memory.start(session.holding, 4)
+        assert (
+            memory.start(session.holding, 4, features=torch.full((10, FEATURE_HIDDEN), 2.0)) is None
+        )
         assert session.tier is Tier.KV and holds_value(memory, session, 2.0)
     store.check_integrity()
 
@@ -138,11 +141,11 @@ def test_a_caller_that_may_not_drop_gets_only_free_host_room_and_waits():
         store.add(session)
         memory.mark_persisted(session.holding, True)
     newcomer = memory.hold()
-    assert isinstance(memory.reserve(newcomer, 20, may_drop=False), Shortfall)  # 10 blocks
+    assert isinstance(memory.start(newcomer, 20, may_drop=False), Shortfall)  # 10 blocks
     assert [s.tier for s in sessions] == [Tier.HOST, Tier.KV, Tier.KV]  # 2 + 5 free: short
     counters = memory.stats().counters
     assert (counters.demoted, counters.parked, counters.evicted) == (0, 0, 0)
-    assert memory.reserve(newcomer, 20, may_drop=True) is None  # `b`'s KV goes to the host
+    assert memory.start(newcomer, 20, may_drop=True) is None  # `b`'s KV goes to the host
     assert [s.tier for s in sessions] == [Tier.FEATURES, Tier.HOST, Tier.KV]
     memory.release(newcomer)
     store.check_integrity()
@@ -157,14 +160,14 @@ def test_a_host_copy_comes_back_exactly_into_other_blocks():
     store.add(kept)
     blocks_before = list(kept.kv.blocks)
     squatter = memory.hold()
-    assert memory.reserve(squatter, 2 * 12) is None  # the whole pool: `kept` goes to host
+    assert memory.start(squatter, 2 * 12) is None  # the whole pool: `kept` goes to host
     assert kept.tier is Tier.HOST
     memory.pool.kv.fill_(7.0)
     memory.release(squatter)
     filler = memory.hold()
-    assert memory.reserve(filler, 2) is None  # takes its old first block
+    assert memory.start(filler, 2) is None  # takes its old first block
     with store.use(kept.session_id) as session:
-        assert memory.reserve(session.holding, 0) is None
+        assert memory.restore(session.holding) is None
         assert session.tier is Tier.KV and session.kv.length == 9
         assert session.kv.blocks != blocks_before
         assert torch.equal(memory.pool.kv[..., session.kv.slots(0, 9), :], written)
@@ -182,14 +185,14 @@ def test_a_shortfall_is_a_value_and_moves_nobody():
     store.add(busy)
     with store.use(busy.session_id):
         asking = memory.hold()
-        shortfall = memory.reserve(asking, 2 * 7)  # 7 blocks: 2 free + 4 idle are not enough
+        shortfall = memory.start(asking, 2 * 7)  # 7 blocks: 2 free + 4 idle are not enough
         assert isinstance(shortfall, Shortfall) and "retry" in shortfall.message
         assert idle.tier is Tier.KV and memory.stats().counters == type(memory.stats().counters)()
-        assert memory.reserve(asking, 2 * 5) is None  # 5 blocks: the idle one's KV moves
+        assert memory.start(asking, 2 * 5) is None  # 5 blocks: the idle one's KV moves
         assert idle.tier is Tier.HOST
         memory.release(asking)
     with pytest.raises(NoCapacity):
-        memory.reserve(memory.hold(), 2 * 11)  # more than the whole pool: never
+        memory.start(memory.hold(), 2 * 11)  # more than the whole pool: never
     store.check_integrity()
 
 
@@ -238,7 +241,7 @@ def test_the_books_hold_after_thousands_of_random_operations(operations, rungs):
             try:
                 value, holding = values[session_id], session.holding
                 if session.tier is Tier.HOST:
-                    if memory.reserve(holding, 0) is not None:
+                    if memory.restore(holding) is not None:
                         outcomes["shortfall"] += 1
                         continue
                     outcomes["restored"] += 1
@@ -246,7 +249,8 @@ def test_the_books_hold_after_thousands_of_random_operations(operations, rungs):
                     assert holds_value(memory, session, value), "a session's KV changed"
                     memory.crop(holding, rng.randint(0, session.kv.length))
                 extra = rng.randint(1, 8)
-                if memory.reserve(holding, extra) is not None:
+                reserve = memory.start if session.kv is None else memory.grow
+                if reserve(holding, extra) is not None:
                     outcomes["shortfall"] += 1
                     continue
                 write(memory, session, extra - rng.randint(0, extra - 1), value)

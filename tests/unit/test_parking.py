@@ -13,7 +13,8 @@ from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import SessionNotFound, log_id
-from llava.kv.memory import MemoryBudget, Tier
+from llava.kv.budget import MemoryBudget
+from llava.kv.holding import Tier
 
 SESSIONS = 20
 SHORT = {"max_new_tokens": 4}
@@ -127,7 +128,7 @@ def test_a_full_directory_stops_parking_and_never_fails_a_turn(
     images, expected, _one_session = control
     probe = engine_for_one_session(demo_model, control, tmp_path / "probe")
     probe.open(images[0])
-    entry = probe.journal.total_bytes
+    entry = probe.persistent.journal.total_bytes
     probe.stop()
     engine = engine_for_one_session(
         demo_model, control, tmp_path / "full", persist_max_bytes=2 * entry + entry // 2

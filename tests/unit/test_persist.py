@@ -21,18 +21,17 @@ from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.errors import SessionNotFound, log_id
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from llava.model import weights_digest as weights
 from llava.model.loading import load_model
 from llava.model.weights_digest import RECORD
+from llava.sessions.location import check_directory, persistence
 from llava.sessions.persist import (
     FEATURES,
     GONE_LOG,
     STATE,
     SessionJournal,
     Snapshot,
-    check_directory,
-    persistence,
 )
 from llava.sessions.session import Tier
 from serving.interrupted import StreamEnd
@@ -185,9 +184,12 @@ def test_the_directory_never_grows_past_its_cap(tmp_path, caplog):
 
 
 def test_a_full_directory_degrades_to_sessions_lost(demo_model, sample, tmp_path):
+    control = Engine(demo_model, EngineConfig(model_dir="unused"), MemoryBudget(1 << 30))
+    expected = control.ask(control.open(sample.image).session_id, QUESTIONS[0]).token_ids
     engine = new_engine(demo_model, tmp_path, persist_max_bytes=100)  # too small for any
     session_id = engine.open(sample.image).session_id
-    assert engine.ask(session_id, QUESTIONS[0]).text  # the turn is not failed
+    answer = engine.ask(session_id, QUESTIONS[0])
+    assert answer.text and answer.token_ids == expected  # the turn is not failed
     restarted = new_engine(demo_model, tmp_path)
     with pytest.raises(SessionNotFound):
         restarted.ask(session_id, QUESTIONS[1])
@@ -215,7 +217,7 @@ def test_a_restarted_worker_adopts_more_sessions_than_its_device_holds_and_loses
     held = [first.open(image).session_id for image in images]
     answers = [[first.ask(i, QUESTIONS[0], short).token_ids] for i in held]
     first.stop()
-    SessionJournal(tmp_path / "tier", 1 << 20, first.journal.model, VOCAB, TTL).save(
+    SessionJournal(tmp_path / "tier", 1 << 20, first.persistent.journal.model, VOCAB, TTL).save(
         snapshot("idle", last_used=time.time() - 120, ttl_s=60)  # expired while down
     )
     config = EngineConfig(model_dir="unused", persist_dir=str(tmp_path / "tier"))
@@ -277,7 +279,7 @@ def test_a_directory_under_the_floor_gives_way_to_the_fallback_in_one_log_line(t
     def config(**settings) -> EngineConfig:
         return EngineConfig(model_dir="x", persist_dir=small, **settings)
 
-    with caplog.at_level(logging.INFO, "llava.sessions.persist"):
+    with caplog.at_level(logging.INFO, "llava.sessions.location"):
         assert persistence(config(persist_min_bytes=measured)) == (small, measured)
         assert caplog.messages == [f"persistent tier: {small}, up to {measured >> 20} MiB"]
         caplog.clear()
@@ -323,7 +325,7 @@ def test_a_failing_write_never_fails_the_turn(demo_model, sample, tmp_path, monk
     def broken(snapshot, features=None):
         raise RuntimeError("a bug in the tier")
 
-    monkeypatch.setattr(engine.journal, "save", broken)
+    monkeypatch.setattr(engine.persistent.journal, "save", broken)
     assert engine.ask(session_id, QUESTIONS[0]).text == sample.shape
     assert [p.name for p in tmp_path.iterdir()] == [RECORD]  # not persisted, rather than stale
 
@@ -487,7 +489,7 @@ def test_a_fine_tune_of_the_same_shape_does_not_adopt_the_old_models_sessions(
     with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
         second = new_engine(tuned, tmp_path / "tier")
     assert second.adopted == 0 and "another model's entry" in caplog.text
-    assert second.journal.model != first.journal.model
+    assert second.persistent.journal.model != first.persistent.journal.model
     with pytest.raises(SessionNotFound):
         second.ask(session_id, QUESTIONS[1])
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from llava.errors import SessionNotFound
-from llava.kv.memory import MemoryManager, Tier
+from llava.kv.holding import Tier
+from llava.kv.memory import MemoryManager
 from llava.kv.prefix import block_keys
 from llava.sessions.session import Session
 from tests.memory_helpers import BLOCK_TOKENS, FEATURE_HIDDEN, FakeClock, new_memory, new_store
@@ -44,7 +45,7 @@ def open_on(memory: MemoryManager, keys: list[bytes], own: int, prefix_value: fl
     """An opening on a shared prefix: what is published is reused, the rest written."""
     holding = memory.hold()
     prefix_tokens = len(keys) * BLOCK_TOKENS
-    assert memory.reserve(holding, prefix_tokens + own, prefix=keys) is None
+    assert memory.start(holding, prefix_tokens + own, prefix=keys) is None
     fill(memory, holding, prefix_tokens, prefix_value)
     fill(memory, holding, prefix_tokens + own, value)
     memory.publish(holding, keys)
@@ -74,7 +75,7 @@ def test_a_prefix_outlives_its_sessions_until_its_room_is_needed():
     assert values(memory, again).tolist() == [5.0] * 4
     memory.release(again)
     other = memory.hold()
-    assert memory.reserve(other, 6 * BLOCK_TOKENS) is None  # needs every block: reclaimed
+    assert memory.start(other, 6 * BLOCK_TOKENS) is None  # needs every block: reclaimed
     memory.release(other)
     assert memory.pool.match(keys) == []
     memory.check_integrity()
@@ -86,7 +87,7 @@ def test_a_crop_inside_a_shared_block_keeps_it_whole_and_writes_elsewhere():
     owner = open_on(memory, keys, own=1, prefix_value=3.0, value=1.0)
     other = open_on(memory, keys, own=1, prefix_value=-1.0, value=2.0)
     assert memory.crop(other, 3) == 2  # 3 ends inside the second shared block: it goes
-    assert memory.reserve(other, 2) is None
+    assert memory.grow(other, 2) is None
     fill(memory, other, 4, 9.0)
     assert values(memory, owner).tolist() == [3.0] * 4 + [1.0]  # the owner's KV is intact
     assert values(memory, other).tolist() == [3.0, 3.0, 9.0, 9.0]
@@ -105,7 +106,7 @@ def test_moving_a_sharer_down_frees_only_what_no_one_else_needs():
     assert memory.pool.free_blocks == free + 1  # its own block; the shared three stay
     assert values(memory, sharer).tolist() == [4.0] * 6 + [2.0]
     memory.pin(owner)
-    assert memory.reserve(owner, 7, prefix=keys) is None  # back on the blocks it computed
+    assert memory.start(owner, 7, prefix=keys) is None  # back on the blocks it computed
     assert owner.kv.length == 6 and owner.block_keys == keys
     memory.check_integrity()
 
@@ -114,7 +115,7 @@ def test_features_of_one_image_are_held_once():
     memory = new_memory(blocks=20)
     features = torch.randn(40, FEATURE_HIDDEN)  # 2 blocks
     first = memory.hold(b"image")
-    assert memory.reserve(first, 1, features) is None
+    assert memory.start(first, 1, features=features) is None
     second = memory.hold(b"image")
     assert memory.share_features(second) and second.feature_blocks == first.feature_blocks
     assert torch.equal(memory.features(second), features)
@@ -126,7 +127,11 @@ def test_features_of_one_image_are_held_once():
 
 
 @pytest.mark.parametrize(
-    "operations", [pytest.param(3_000, id="3k"), pytest.param(10_000, marks=pytest.mark.thorough)]
+    "operations",
+    [
+        pytest.param(3_000, id="3k", marks=pytest.mark.thorough),  # seconds: test_memory.py's
+        pytest.param(10_000, marks=pytest.mark.thorough),  # 1,000 random operations stay fast
+    ],
 )
 def test_the_books_hold_with_shared_prefixes_under_random_pressure(operations):
     """Sessions of three prefix families open, ask (restores, recomputes on the shared prefix,
@@ -160,7 +165,7 @@ def test_the_books_hold_with_shared_prefixes_under_random_pressure(operations):
             if not memory.share_features(holding):
                 features = torch.full((40, FEATURE_HIDDEN), float(50 + image))
             own = rng.randint(1, 6)
-            if memory.reserve(holding, len(ids) + own, features, prefix=keys) is not None:
+            if memory.start(holding, len(ids) + own, prefix=keys, features=features) is not None:
                 memory.release(holding)
                 shortfalls += 1
                 continue
@@ -179,17 +184,17 @@ def test_the_books_hold_with_shared_prefixes_under_random_pressure(operations):
                 f, _, own = sessions[session.session_id]
                 ids, keys = families[f]
                 holding = session.holding
-                if session.tier is Tier.HOST and memory.reserve(holding, 0) is not None:
+                if session.tier is Tier.HOST and memory.restore(holding) is not None:
                     shortfalls += 1
                     continue
                 if holding.kv is None:  # recomputed: on the prefix, if still published
-                    if memory.reserve(holding, len(ids) + 8, prefix=keys) is not None:
+                    if memory.start(holding, len(ids) + 8, prefix=keys) is not None:
                         shortfalls += 1
                         continue
                 else:
                     check(session)
                     memory.crop(holding, rng.randint(0, holding.kv.length))
-                    if memory.reserve(holding, len(ids) + 8) is not None:
+                    if memory.grow(holding, len(ids) + 8) is not None:
                         shortfalls += 1
                         continue
                 fill(memory, holding, len(ids), float(f + 1))  # what a crop took of the prefix

@@ -14,7 +14,8 @@ from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import InvalidRequest
-from llava.kv.memory import MemoryBudget, Tier
+from llava.kv.budget import MemoryBudget
+from llava.kv.holding import Tier
 from tests.memory_helpers import one_pixel_changed
 
 SYSTEM = "You answer about one picture. Name its color first, then its shape, in one word each."

@@ -8,7 +8,7 @@ import pytest
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import InvalidRequest
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from llava.sessions.session import Tier
 
 GREEDY = {"max_new_tokens": 6}

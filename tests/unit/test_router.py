@@ -24,7 +24,7 @@ def two_instances() -> Router:
 def test_opens_in_flight_count_so_simultaneous_opens_spread():
     """24 opens placed at the same moment, none answered yet: 12 on each instance (placement
     once counted only bound sessions, so all 24 went to the first)."""
-    router, chosen, go = two_instances(), [], threading.Barrier(24)
+    router, chosen, go = two_instances(), [], threading.Barrier(24, timeout=10)
 
     def open_one():
         go.wait(10)

@@ -333,14 +333,22 @@ def test_a_forced_triton_where_it_cannot_run_fails_in_one_line(demo, monkeypatch
     assert str(failure.value) == f"bad setting attention: triton: {reason}"
 
 
-def test_auto_on_a_paged_path_keeps_the_faster_of_flex_and_triton(demo, monkeypatch):
-    """What warm-up does under auto on CUDA, here with the paths' times stood in for (the real
-    timing runs too: each path is called on the pool)."""
+@pytest.mark.thorough  # tens of seconds on a CPU: a flex compile, triton's interpreter
+def test_auto_on_a_paged_path_keeps_the_faster_of_flex_and_triton(demo):
+    """What warm-up does under auto on CUDA, the real timing: each path is called on the pool
+    (the choice alone, with the times stood in for: the test below)."""
     runner = Runner(demo.model, demo.pool())
     runner.attention = "flex"  # what auto starts from on CUDA
     measured = runner.settle_attention(rows=2, tokens=40)
     assert set(measured) == {"flex", "triton"} and runner.attention in measured
     assert runner.attention == min(measured, key=measured.get)
+
+
+def test_auto_keeps_the_paged_path_its_times_say_is_faster_and_a_forced_one_stays(
+    demo, monkeypatch
+):
+    """What warm-up does under auto on CUDA, with the paths' times stood in for."""
+    runner = Runner(demo.model, demo.pool())
     times = {"flex": 3.0, "triton": 1.0}
     monkeypatch.setattr(Runner, "_time_paged", lambda self, kind, rows, tokens: times[kind])
     runner.attention = "flex"

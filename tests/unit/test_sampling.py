@@ -63,11 +63,11 @@ def test_draws_follow_the_filtered_softmax():
     logits = torch.full((1, VOCAB), -30.0)
     logits[0, 4:8] = torch.tensor([2.0, 1.0, 0.5, 0.0])
     rows_params = {"do_sample": True, "temperature": 1.0, "top_k": 3, "seed": 3}
-    counts = torch.zeros(VOCAB)
     draws = 4000
-    for count in range(draws):
-        token = sampler().sample(logits, [chooser(generated=count, **rows_params)]).item()
-        counts[token] += 1
+    # one batch of the 4,000 rows: a draw is a function of (seed, count), not of its batch
+    rows = [chooser(generated=count, **rows_params) for count in range(draws)]
+    tokens = sampler().sample(logits.expand(draws, VOCAB), rows)
+    counts = torch.bincount(tokens, minlength=VOCAB).float()
     expected = torch.zeros(VOCAB)
     expected[4:7] = torch.softmax(torch.tensor([2.0, 1.0, 0.5]), 0) * draws
     assert counts[7] == 0 and counts[:4].sum() == 0  # outside top-k, and the tail

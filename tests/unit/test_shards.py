@@ -13,8 +13,9 @@ from llava import shards as shards_module
 from llava.config import EngineConfig, SettingsError, load_config
 from llava.engine import Engine
 from llava.errors import InvalidRequest, SessionIdInUse, SessionNotFound, ShardFailed
-from llava.kv.memory import MemoryBudget, Tier
-from llava.shards import FAILURES_UNTIL_UNREADY, ShardedEngine, image_open_bytes
+from llava.kv.budget import MemoryBudget
+from llava.kv.holding import Tier
+from llava.shards import FAILURES_UNTIL_UNREADY, ShardedEngine
 from scripts.handler_harness import InProcessWorker
 from tests.conftest import DEMO_MODEL_DIR
 from tests.memory_helpers import FakeClock
@@ -49,6 +50,17 @@ def sharded(clock):
 @pytest.fixture(scope="module")
 def images():
     return [s.image for s in held_out_samples(8, seed=29_000)]
+
+
+@pytest.fixture(scope="module")
+def first_answers(demo_model, images) -> list[tuple[int, ...]]:
+    """The greedy ids of QUESTIONS[0] as the first turn about images[0] and images[1], each on
+    a plain engine's session that never moved or failed: what a shard's answers must equal."""
+    alone = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
+    try:
+        return [alone.ask(alone.open(i).session_id, QUESTIONS[0]).token_ids for i in images[:2]]
+    finally:
+        alone.stop()
 
 
 def close_all(sharded, ids):
@@ -109,16 +121,16 @@ def test_an_open_of_another_tenant_is_placed_as_if_no_shard_held_its_image(image
 
 
 def test_placement_counts_an_open_in_flight_as_what_an_open_holds(sharded, images):
-    """Before any open has returned, the facade's estimate is image_open_bytes."""
+    """Before any open has returned, the facade's estimate is Engine.open_bytes."""
     session_id = sharded.open(images[0]).session_id
     engine = sharded.shards[sharded.shard_of(session_id)]
     held = engine.memory.held_bytes(engine.store.session(session_id).holding)
-    assert held == image_open_bytes(engine) > 0
+    assert held == engine.open_bytes() > 0
     sharded.close(session_id)
 
 
 def test_simultaneous_opens_spread_across_the_shards(sharded, images):
-    ids, start = [], threading.Barrier(6)
+    ids, start = [], threading.Barrier(6, timeout=60)
 
     def client(image):
         start.wait()
@@ -169,7 +181,7 @@ def test_answers_equal_one_shard_answers(sharded, demo_model, images):
     assert got == expected
 
 
-def test_a_failing_shard_fails_only_its_own_turns(sharded, images, monkeypatch):
+def test_a_failing_shard_fails_only_its_own_turns(sharded, images, first_answers, monkeypatch):
     """Injected: shard 1's runner raises on every step (what a device fault does to it); the
     loop and memory code around it are the real ones."""
     ids = [sharded.open(image).session_id for image in images[:2]]
@@ -208,6 +220,7 @@ def test_a_failing_shard_fails_only_its_own_turns(sharded, images, monkeypatch):
     monkeypatch.undo()  # the fault clears: the failed session answers again, history kept
     again = sharded.ask(failing, QUESTIONS[0])
     assert again.tier is Tier.FEATURES and again.text
+    assert again.token_ids == first_answers[ids.index(failing)]  # as if it had never failed
     assert [s.ready for s in sharded.stats()] == [True, True]
     sharded.check_integrity()
     close_all(sharded, [*ids, elsewhere])
@@ -252,7 +265,7 @@ def test_a_chosen_id_is_unique_across_the_shards(sharded, images):
 
 def test_one_chosen_id_opened_twice_at_once_opens_once(sharded, images):
     """Two opens race for one id: whichever is second is refused, on either shard."""
-    results, start = [], threading.Barrier(2)
+    results, start = [], threading.Barrier(2, timeout=60)
 
     def client(image):
         start.wait()
@@ -272,11 +285,12 @@ def test_one_chosen_id_opened_twice_at_once_opens_once(sharded, images):
     sharded.close("raced-29-7f3a9c2e1b4d6a8f0c5e")
 
 
-def test_a_session_the_facade_did_not_open_is_found_on_its_shard(sharded, images):
+def test_a_session_the_facade_did_not_open_is_found_on_its_shard(sharded, images, first_answers):
     """As a session re-attached by a shard at start would be: opened on shard 1 directly."""
     direct = sharded.shards[1].open(images[0], "direct-29-7f3a9c2e1b4d6a8f0c5e").session_id
     assert sharded.shard_of(direct) == 1
-    assert sharded.ask(direct, QUESTIONS[0]).text
+    answer = sharded.ask(direct, QUESTIONS[0])
+    assert answer.text and answer.token_ids == first_answers[0]
     with pytest.raises(SessionIdInUse):
         sharded.open(images[1], "direct-29-7f3a9c2e1b4d6a8f0c5e")
     sharded.check_integrity()
@@ -352,7 +366,7 @@ def test_a_shard_that_cannot_be_built_fails_the_start_and_stops_the_others(demo_
 
 def test_gpu_checks_shard_table_runs_on_two_cpu_shards():
     """make gpu-check runs it on "cuda:0,cuda:0"; here its code path on the CPU."""
-    from scripts.gpu_steps import shard_table
+    from scripts.gpu.steps import shard_table
 
     _tokens_per_s, rows = shard_table("cpu,cpu", 4, 3, 300 * BLOCK)
     assert rows == [("cpu", 2, 12), ("cpu", 2, 12)]
@@ -381,7 +395,7 @@ def test_a_restarted_two_shard_worker_continues_each_session_on_its_shard(images
         expected[session_id] = [first.ask(control, q).text for q in QUESTIONS][-1]
         first.close(control)
     assert sorted(homes.values()) == [0, 1]
-    assert [e.journal.max_bytes for e in first.shards] == [1 << 23] * 2
+    assert [e.persistent.journal.max_bytes for e in first.shards] == [1 << 23] * 2
     first.stop()  # the worker "dies": only the directory is used below
 
     for session_id, home in homes.items():
@@ -408,7 +422,9 @@ def test_a_top_k_past_the_vocabulary_is_answered_and_its_shard_stays_ready(shard
     close_all(sharded, [session_id])
 
 
-def test_a_callers_bad_text_is_refused_and_never_counts_against_its_shard(sharded, images):
+def test_a_callers_bad_text_is_refused_and_never_counts_against_its_shard(
+    sharded, images, first_answers
+):
     """A lone surrogate made the tokenizer raise TypeError inside the loop: a SHARD_FAILED,
     and three in a row took the shard out of placement."""
     session_id = sharded.open(images[0]).session_id
@@ -418,15 +434,17 @@ def test_a_callers_bad_text_is_refused_and_never_counts_against_its_shard(sharde
         with pytest.raises(InvalidRequest, match="'system' cannot be tokenized"):
             sharded.open(images[1], system="Be \udfff brief.")
     assert [s.ready for s in sharded.stats()] == [True, True]
-    assert sharded.ask(session_id, QUESTIONS[0]).text
+    answer = sharded.ask(session_id, QUESTIONS[0])
+    assert answer.text and answer.token_ids == first_answers[0]  # the refusals left no trace
     close_all(sharded, [session_id])
 
 
-def test_every_shard_failing_is_fatal_and_told_once(sharded, images, monkeypatch):
+def test_every_shard_failing_is_fatal_and_told_once(sharded, images, first_answers, monkeypatch):
     told: list[BaseException] = []
     monkeypatch.setattr(sharded, "on_fatal", told.append)
     monkeypatch.setattr(sharded, "_fatal_told", False)
-    ids = sorted((sharded.open(image).session_id for image in images[:2]), key=sharded.shard_of)
+    opened = [sharded.open(image).session_id for image in images[:2]]
+    ids = sorted(opened, key=sharded.shard_of)
     assert [sharded.shard_of(i) for i in ids] == [0, 1]
 
     def device_fault(inputs):
@@ -443,5 +461,7 @@ def test_every_shard_failing_is_fatal_and_told_once(sharded, images, monkeypatch
         sharded.ask(ids[0], QUESTIONS[0])
     assert len(told) == 1  # told once
     monkeypatch.undo()
-    assert all(sharded.ask(session_id, QUESTIONS[0]).text for session_id in ids)
+    answers = [sharded.ask(session_id, QUESTIONS[0]) for session_id in ids]
+    assert all(answer.text for answer in answers)
+    assert [a.token_ids for a in answers] == [first_answers[opened.index(i)] for i in ids]
     close_all(sharded, ids)

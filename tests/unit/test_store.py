@@ -16,7 +16,7 @@ from llava.errors import (
     SessionNotFound,
     log_id,
 )
-from llava.kv.memory import Holding, Tier
+from llava.kv.holding import Holding, Tier
 from llava.sessions.store import (
     MIN_ID_BITS,
     SessionStore,
@@ -278,7 +278,7 @@ def test_a_session_in_a_turn_is_pinned_and_never_moved(clock):
         store.add(idle)
         newcomer = store.memory.hold()
         # room for it means moving someone: only the idle session may go down
-        assert store.memory.reserve(newcomer, 100) is None
+        assert store.memory.start(newcomer, 100) is None
         assert busy.tier is Tier.KV and idle.tier is Tier.FEATURES
     store.memory.release(newcomer)
     store.check_integrity()
@@ -302,6 +302,35 @@ def test_turns_of_one_session_are_serialized(clock):
     for thread in threads:
         thread.join(timeout=30)
     assert len(overlap) == 200 and not any(overlap)
+
+    # The loop above rarely overlaps even without a lock: here the first turn holds the
+    # session until the second has tried to enter, and the second must not get in meanwhile.
+    first_inside, second_trying, second_inside = (threading.Event() for _ in range(3))
+    order = []
+
+    def first():
+        with store.use(session.session_id):
+            order.append("first in")
+            first_inside.set()
+            assert second_trying.wait(timeout=10)
+            # a turn that got in would have within this window; a blocked one cannot
+            order.append(f"second in meanwhile: {second_inside.wait(timeout=0.3)}")
+            order.append("first out")
+
+    def second():
+        assert first_inside.wait(timeout=10)
+        second_trying.set()
+        with store.use(session.session_id):
+            order.append("second in")
+            second_inside.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert order == ["first in", "second in meanwhile: False", "first out", "second in"]
 
 
 def test_a_client_chosen_id_is_adopted(clock):

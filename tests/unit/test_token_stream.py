@@ -9,7 +9,7 @@ import threading
 from handlers.token_stream import TokenStream
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from scripts.handler_harness import InProcessWorker
 
 WAIT_S = 10

@@ -38,4 +38,4 @@ def test_an_exited_but_unreaped_process_counts_as_gone_at_once():
         assert _running_after([running], timeout=0.2) == [running]  # a live one is running
     finally:
         parent.kill()
-        parent.wait()
+        parent.wait(timeout=10)

@@ -69,9 +69,16 @@ def reference(q, keys, values, tables, positions, block_tokens, scale):
     return out
 
 
+# On a CPU each kernel call runs under Triton's interpreter (seconds): make test-fast keeps
+# gqa-1 and the checks without a kernel call; make test (and a GPU) runs the rest.
+thorough = pytest.mark.thorough
+
+
 # 8 splits are more than any row's blocks: the empty splits weigh nothing.
 @pytest.mark.parametrize(
-    "kv_heads, splits", [(2, 1), (4, 3), (2, 8)], ids=["gqa-1", "mha-3", "gqa-8"]
+    "kv_heads, splits",
+    [(2, 1), pytest.param(4, 3, marks=thorough), pytest.param(2, 8, marks=thorough)],
+    ids=["gqa-1", "mha-3", "gqa-8"],
 )
 def test_rows_equal_sdpa_over_their_own_slots(kv_heads, splits):
     inputs = make_inputs(ROWS_4, 4, heads=4, kv_heads=kv_heads)
@@ -81,6 +88,7 @@ def test_rows_equal_sdpa_over_their_own_slots(kv_heads, splits):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@thorough
 def test_heads_of_a_width_that_is_no_power_of_two():
     """The demo model's heads are 24 wide: the kernels tile 32 and mask the rest."""
     inputs = make_inputs(ROWS_16[:2], 16, heads=4, kv_heads=4, seed=4, head_dim=24)
@@ -89,6 +97,7 @@ def test_heads_of_a_width_that_is_no_power_of_two():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@thorough
 def test_one_block_a_tile_and_a_group_of_eight():
     inputs = make_inputs(ROWS_16, 16, heads=8, kv_heads=1, seed=1)
     out = paged_decode(*inputs, block_tokens=16, scale=32**-0.5, splits=2)
@@ -99,7 +108,7 @@ def test_one_block_a_tile_and_a_group_of_eight():
 @pytest.mark.parametrize(
     "dtype",
     [
-        torch.float16,
+        pytest.param(torch.float16, marks=thorough),
         pytest.param(
             torch.bfloat16,
             marks=[
@@ -117,6 +126,7 @@ def test_half_precision_is_fp32_within_rounding(dtype):
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@thorough
 def test_default_splits_fill_the_gpu_within_bounds():
     assert default_splits(1, 8, 650, 16) == 16  # 33 wanted, at most MAX_SPLITS
     assert default_splits(1, 8, 40, 16) == 3  # no more splits than blocks

@@ -39,6 +39,19 @@ def test_every_error_code_written_in_the_code_is_a_wire_code():
     assert written - llava_wire.ERROR_CODES == set()
 
 
+def test_outside_the_engine_error_codes_are_llava_wires_constants_never_literals():
+    """The engine keeps its codes on its error classes (it imports no wire package); every other
+    speaker names a code by its llava_wire constant."""
+    spelled = {
+        f"{path.relative_to(REPO)}: {code}"
+        for path in source_files()
+        if path.parts[len(REPO.parts)] not in ("llava", "scripts")
+        for code in llava_wire.ERROR_CODES
+        if f'"{code}"' in path.read_text()
+    }
+    assert spelled == set()
+
+
 def test_the_header_names_are_spelled_only_in_llava_wire():
     spelled = {
         str(path.relative_to(REPO))

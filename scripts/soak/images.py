@@ -1,5 +1,5 @@
 """The soak's images: shapes drawn here (not the training generator) and its own image server
-on 127.0.0.1, with a slow route and one that resets mid-body (scripts/soak.py)."""
+on 127.0.0.1, with a slow route and one that resets mid-body (scripts/soak/__main__.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from llava_wire import NEW_SESSION, SESSION, SESSION_HEADER
 from scripts.demo import QUESTIONS
 from serving.torchserve import TorchServeInstance
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def through_torchserve(image_b64: str, turns: int) -> tuple[list[float], list[float], float]:

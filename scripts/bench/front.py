@@ -21,7 +21,7 @@ import requests
 from llava_wire import NEW_SESSION, SESSION, SESSION_HEADER
 from serving.torchserve import free_ports
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TURNS = 60
 

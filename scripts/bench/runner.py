@@ -1,6 +1,6 @@
 """Decode-step throughput of the packed step runner against Hugging Face's forward.
 
-    python -m scripts.bench_runner [--model-dir build/realistic-llava] [--context 600]
+    python -m scripts.bench.runner [--model-dir build/realistic-llava] [--context 600]
                                    [--batches 1,4,8,32] [--steps 8] [--rounds 5] [--threads N]
 
 Every sequence holds ``--context`` tokens (an image opening of 576 image tokens plus text) in
@@ -27,9 +27,9 @@ from llava.exec.runner import Runner, StepInput
 from llava.kv.pool import KVPool, SessionKV, kv_bytes_per_token
 from llava.model.loading import load_model
 from llava.model.reference import prefill
-from scripts.bench_turns import ensure_model
+from scripts.bench.turns import ensure_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def context_ids(loaded, context: int) -> tuple[list[int], torch.Tensor]:

@@ -7,7 +7,7 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
 #     export PYTHONPATH=/tmp/site
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 rm -rf .whl
 mkdir -p .whl
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

@@ -42,7 +42,7 @@ from local_endpoint.launcher import LocalEndpoint, parse_threads
 from scripts.demo import QUESTIONS
 from serving.torchserve import free_ports
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 NAME = "stateful-llava"
 RUN_BOUND_S = 300  # a load run that takes longer is a failure, not a number

@@ -31,7 +31,7 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv.memory import MemoryBudget
+from llava.kv.budget import MemoryBudget
 from llava.model.loading import load_model
 from llava.sessions.persist import FEATURES, STATE, SessionJournal, Snapshot
 from llava_wire import SESSION_HEADER
@@ -39,7 +39,7 @@ from serving.mar import build_mar
 from serving.supervisor import Supervisor
 from serving.torchserve import TorchServeInstance
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 DEMO = REPO / "models" / "demo-llava"
 MAR = REPO / "model-store" / "llava.mar"

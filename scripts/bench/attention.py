@@ -1,6 +1,6 @@
 """One layer's decode attention over a paged pool, by candidate: the alternatives measured.
 
-    python -m scripts.bench_attention [--batch 32] [--context 650] [--heads 12] [--kv-heads 12]
+    python -m scripts.bench.attention [--batch 32] [--context 650] [--heads 12] [--kv-heads 12]
                                       [--head-dim 64] [--block-tokens 16] [--rounds 7]
                                       [--device auto] [--dtype float32]
 

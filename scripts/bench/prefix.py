@@ -27,11 +27,12 @@ from PIL import Image
 
 from llava.config import EngineConfig
 from llava.engine import Engine, Opened
-from llava.kv.memory import MemoryBudget, Tier
+from llava.kv.budget import MemoryBudget
+from llava.kv.holding import Tier
 from llava.model.loading import load_model
-from scripts.bench_turns import QUESTIONS, ensure_model
+from scripts.bench.turns import QUESTIONS, ensure_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 SYSTEM = (
     "You are the visual assistant of an online marketplace's support desk. Describe only what "

@@ -1,9 +1,9 @@
 """Decode ms/token at one session on the 7B shape, its bucket-1 graph captured from the eager
 step (as served) or from the step compiled whole by inductor (on a lent GPU machine).
 
-    python3 -u -m scripts.gpu_compiled_decode {eager,inductor} OUT.json
+    python3 -u -m scripts.gpu.compiled_decode {eager,inductor} OUT.json
 
-The engine as ``make gpu-check``'s table serves it (scripts.gpu_steps.served_7b), with
+The engine as ``make gpu-check``'s table serves it (scripts.gpu.steps.served_7b), with
 ``max_batch`` 1 so only bucket 1 is captured; ``inductor`` swaps the capture of
 llava.exec.graphs for one of ``torch.compile(runner.decode, fullgraph=True)``. Figures are
 written as found. Results: docs/performance.md §Decode compiled whole.
@@ -22,7 +22,7 @@ import torch._inductor.config
 
 import llava.exec.graphs as graphs
 from demo_model.synthetic import held_out_samples
-from scripts.gpu_steps import QUESTIONS, Figures, Plan, served_7b
+from scripts.gpu.steps import QUESTIONS, Figures, Plan, served_7b
 
 
 def capture_compiled(runner, step) -> None:
@@ -64,5 +64,5 @@ def main(mode: str, out: Path) -> None:
 if __name__ == "__main__":
     modes = ("eager", "inductor")
     if len(sys.argv) != 3 or sys.argv[1] not in modes:
-        sys.exit(f"usage: python -m scripts.gpu_compiled_decode {{{','.join(modes)}}} OUT.json")
+        sys.exit(f"usage: python -m scripts.gpu.compiled_decode {{{','.join(modes)}}} OUT.json")
     main(sys.argv[1], Path(sys.argv[2]))

@@ -34,7 +34,7 @@ from llava.engine import Engine
 from llava.exec.runner import StepInput
 from llava.model.vision import vision_inputs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODES = ("stateless", "pixels", "features", "kv")
 QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
 TOKEN_ID_BYTES = 8  # a cached history as int64 ids
@@ -72,7 +72,7 @@ def kv_conversation(engine: Engine, image, turns: int, params: dict):
         history = engine.store.session(session_id).token_ids
         prompts.append(history[: answer.cached_tokens + answer.new_tokens])
         timings.append((answer.ttft_s, answer.total_s))
-    held = engine.memory.held_bytes(engine.store.session(session_id).holding)
+    held = engine.session_bytes(session_id)
     engine.close(session_id)
     return timings, prompts, held
 
@@ -83,7 +83,7 @@ def answer_from_scratch(engine: Engine, prompt, features, new_tokens: int):
 
     def run():
         holding = engine.memory.hold()
-        assert engine.memory.reserve(holding, len(prompt) + new_tokens) is None
+        assert engine.memory.start(holding, len(prompt) + new_tokens) is None
         kv = holding.kv
         try:
             start = time.perf_counter()

@@ -13,6 +13,7 @@ length (min_new_tokens), since an untrained model ends them at random.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -26,10 +27,11 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv.memory import MemoryBudget, Tier
+from llava.kv.budget import MemoryBudget
+from llava.kv.holding import Tier
 from llava.model.loading import load_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
 
@@ -146,8 +148,8 @@ def main() -> None:
     loaded = load_model(str(args.model_dir), args.device)
     config = EngineConfig(model_dir=str(args.model_dir))
 
-    def engine(**options) -> Engine:
-        built = Engine(loaded, config, MemoryBudget(4 << 30), **options)
+    def engine(**knobs) -> Engine:
+        built = Engine(loaded, dataclasses.replace(config, **knobs), MemoryBudget(4 << 30))
         built.warm_up()
         return built
 

@@ -1,9 +1,9 @@
 """The concurrency bench of this checkout and of another (an older commit), interleaved.
 
-    python -m scripts.bench_side_by_side --base /path/to/older/checkout [--rounds 2]
-                                         [-- bench_concurrency.py options]
+    python -m scripts.bench.side_by_side --base /path/to/older/checkout [--rounds 2]
+                                         [-- scripts/bench/concurrency.py options]
 
-Runs ``scripts/bench_concurrency.py`` of each checkout in turn, alternating which goes first
+Runs ``scripts/bench/concurrency.py`` of each checkout in turn, alternating which goes first
 each round, with this checkout's Python and model (both load ``build/realistic-llava`` of this
 checkout), so the two versions see the same machine load. Prints every run's table, then each
 row's median tokens/s and tokens per CPU-second for both and their ratio.
@@ -17,14 +17,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(checkout: Path, extra: list[str]) -> dict[tuple[str, str, str], tuple[float, float]]:
     """One bench run; {(N, turns, mode): (tokens/s, tokens per CPU-second)}."""
     model = ["--model-dir", str(REPO / "build" / "realistic-llava")]
     # As a module from the checkout's root: its own llava/ is imported, not the installed one.
-    cmd = [sys.executable, "-m", "scripts.bench_concurrency", *model, *extra]
+    # Checkouts from before scripts/bench/ name it scripts.bench_concurrency.
+    moved = (checkout / "scripts" / "bench" / "concurrency.py").is_file()
+    bench = "scripts.bench.concurrency" if moved else "scripts.bench_concurrency"
+    cmd = [sys.executable, "-m", bench, *model, *extra]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=checkout).stdout
     print(f"--- {checkout}\n{out}", flush=True)
     rows = {}

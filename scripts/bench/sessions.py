@@ -24,7 +24,7 @@ from llava.sessions.store import new_session_id
 from llava_wire import CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_HEADER
 from scripts.handler_harness import InProcessWorker
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 HELD = (10, 100, 1000, 5000)
 ASK = {"requestType": SESSION, "inputs": "What shape is it?", "parameters": {"max_new_tokens": 1}}
@@ -32,7 +32,7 @@ ASK = {"requestType": SESSION, "inputs": "What shape is it?", "parameters": {"ma
 
 def idle_session(engine: Engine) -> Session:
     holding = engine.memory.hold()
-    assert engine.memory.reserve(holding, 1) is None
+    assert engine.memory.start(holding, 1) is None
     return Session(new_session_id(), [0], holding)
 
 

@@ -1,4 +1,4 @@
-"""The soak's calls through boto3 and the books of what came back (scripts/soak.py)."""
+"""The soak's calls through boto3 and the books of what came back (scripts/soak/__main__.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``make soak``: load, faults and bad input together through unmodified boto3; one table.
 
-    python scripts/soak.py [--seconds 90] [--sessions 8] [--faults kill,slow,reset,hangup,big]
-    python scripts/soak.py --endpoint-name NAME [--region us-east-1]   # a real endpoint
+    python -m scripts.soak [--seconds 90] [--sessions 8] [--faults kill,slow,reset,hangup,big]
+    python -m scripts.soak --endpoint-name NAME [--region us-east-1]   # a real endpoint
 
 Locally it starts ``make endpoint``'s endpoint (2 TorchServe instances, a short session TTL, a
 small session budget so that sessions are demoted and restored) and its own image server on
@@ -39,12 +39,12 @@ import psutil
 from botocore.config import Config
 
 from local_endpoint.launcher import LocalEndpoint
-from scripts.soak_calls import Books, Caller, Outcome
-from scripts.soak_images import Drawn, ImageServer, declared_png, draw_big, draw_shape
+from scripts.soak.calls import Books, Caller, Outcome
+from scripts.soak.images import Drawn, ImageServer, declared_png, draw_big, draw_shape
 from serving.mar import build_mar
 from serving.torchserve import free_ports
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 ENDPOINT = "stateful-llava"
 TTL_S = 10.0  # the soak's session TTL: idling past it is part of the load

@@ -5,7 +5,7 @@ how many sessions each tier holds, and accounted bytes against real ones.
    recomputed from its image features, or the session was parked (its features read back
    from the persistent tier, under /dev/shm here, then the same recompute), at histories of
    about 600, 2,000 and 8,000 tokens
-   (the untrained realistic-shape model of scripts/bench_turns.py, 576 image tokens, its
+   (the untrained realistic-shape model of scripts/bench/turns.py, 576 image tokens, its
    position limit raised to 8,704 for the long history: rotary positions have no weights).
 2. Sessions held per tier for a fixed device and host budget: LLaVA-1.5-7B by arithmetic
    from llava.kv.memory's accounting functions, the CPU model's the same way and measured.
@@ -26,18 +26,14 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.kv.memory import (
-    MemoryBudget,
-    Tier,
-    session_feature_bytes,
-    session_kv_bytes,
-)
+from llava.kv.budget import MemoryBudget, session_feature_bytes, session_kv_bytes
+from llava.kv.holding import Tier
 from llava.kv.pool import BLOCK_TOKENS, kv_bytes_per_token
 from llava.model.loading import load_model
-from scripts.bench_persist import scratch_dir
-from scripts.bench_turns import ensure_model
+from scripts.bench.persist import scratch_dir
+from scripts.bench.turns import ensure_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 MiB, GiB = 1 << 20, 1 << 30
 FILLER = "What color is the shape? "  # 6 tokens of the realistic tokenizer
@@ -47,7 +43,7 @@ QUESTION = "And its shape?"
 def unshared_config(**settings) -> EngineConfig:
     """Every engine here shares nothing (prefix_sharing off): a recompute computes the whole
     history and each session holds its own image and prefix, as sessions on different images
-    do (what sharing saves: scripts/bench_prefix.py)."""
+    do (what sharing saves: scripts/bench/prefix.py)."""
     return EngineConfig("-", max_question_chars=100_000, prefix_sharing="off", **settings)
 
 

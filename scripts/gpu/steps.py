@@ -20,14 +20,14 @@ import subprocess
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "llava-1.5-7b-hf"
 DEMO_MODEL = REPO / "models" / "demo-llava"
 QUESTIONS = ["What is in the picture?", "Describe it in more detail.", "And the colours?"]
@@ -95,7 +95,7 @@ def sync(plan: Plan) -> None:
 def preflight(plan: Plan, figures: Figures) -> None:
     """Versions, what Triton needs to compile, one compile of the paged call at the 7B's
     attention shape checked against SDPA, one graph capture and replay of it."""
-    from scripts.bench_attention import FLEX, LOOP, candidates
+    from scripts.bench.attention import FLEX, LOOP, candidates
 
     figures["python"] = platform.python_version()
     figures["torch"] = torch.__version__
@@ -164,9 +164,9 @@ def _driver() -> str | None:
 
 # -- attention ------------------------------------------------------------------------------
 def attention(plan: Plan, figures: Figures) -> None:
-    """One layer's decode attention candidates at the 7B's shape (scripts/bench_attention.py):
+    """One layer's decode attention candidates at the 7B's shape (scripts/bench/attention.py):
     each one's median ms at 1 and 32 rows of 650 tokens, and which was fastest."""
-    from scripts.bench_attention import DENSE, measure
+    from scripts.bench.attention import DENSE, measure
 
     for batch in (1, 32) if plan.cuda else (1, 4):
         shape = argparse.Namespace(batch=batch, context=650 if plan.cuda else 64, heads=32,
@@ -242,7 +242,8 @@ def served_7b(plan: Plan, figures: Figures):
         config = EngineConfig(model_dir=str(FIXTURE), session_budget_bytes=256 * MiB,
                               attention="flex", prefix_sharing="off")  # fmt: skip
     budget = memory_budget(config, plan.device)
-    engine = Engine(loaded, config, budget, max_batch=max(plan.sessions))
+    config = replace(config, max_batch=max(plan.sessions))
+    engine = Engine(loaded, config, budget)
     figures["pool_gib"] = round(engine.memory.pool.allocated_bytes / GiB, 2)
     return engine, weights
 
@@ -261,9 +262,9 @@ def table(plan: Plan, figures: Figures) -> None:
 
 def _engine_figures(engine, plan: Plan, figures: Figures, weights: int) -> None:
     from demo_model.synthetic import held_out_samples
-    from llava.kv.memory import Tier
-    from scripts.bench_concurrency import sessions_at_once
-    from scripts.bench_memory import grown_session, turn_latency
+    from llava.kv.holding import Tier
+    from scripts.bench.concurrency import sessions_at_once
+    from scripts.bench.memory import grown_session, turn_latency
 
     figures["warm_up_s"] = round(engine.warm_up(), 1)
     figures["attention_path"] = engine.runner.attention
@@ -457,7 +458,7 @@ def _where_time_went(averages, wall_s: float, steps: int) -> dict:
 # -- compile --------------------------------------------------------------------------------
 def whole_step_compile(plan: Plan, figures: Figures) -> None:
     """The served 7B's decode step at one row compiled whole by inductor (``fullgraph=True``,
-    as scripts/gpu_compiled_decode.py compiles it before its capture): the compile's seconds,
+    as scripts/gpu/compiled_decode.py compiles it before its capture): the compile's seconds,
     and its ids and ms a step against the eager step's. ``compile_threads = 1`` compiles in
     this process, so a failure raises its own error, not a compile worker's
     ``SubprocException`` whose first line says nothing. On the CPU the step is traced whole
@@ -578,7 +579,7 @@ def shard_table(
     from demo_model.synthetic import held_out_samples
     from llava.config import EngineConfig
     from llava.shards import ShardedEngine
-    from scripts.bench_concurrency import sessions_at_once
+    from scripts.bench.concurrency import sessions_at_once
 
     config = EngineConfig(
         model_dir=str(DEMO_MODEL), device=devices, session_budget_bytes=session_budget_bytes

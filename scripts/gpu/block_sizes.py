@@ -1,6 +1,6 @@
 """The paged flex call's kernel time by pool block size, on CUDA (a lent GPU machine).
 
-    python3 -u -m scripts.gpu_block_sizes
+    python3 -u -m scripts.gpu.block_sizes
 
 One layer of llava-1.5-7b's attention (32 heads × 128, bf16) over a pool of 204,800 slots (the
 7B's 100 GiB pool on an H200), each row's blocks adjacent; the block mask is built once and 20

@@ -1,0 +1,97 @@
+"""The persistent tier's one owner (docs/engine/sessions.md §Persistent tier): what is written
+after an open and after each committed turn, what a parked session reads back, and which
+sessions a restarted worker adopts. The files are llava.sessions.persist's; the memory ladder
+parks only a session this marks as kept (llava.kv.memory)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from llava.errors import log_id
+from llava.kv.holding import Holding
+from llava.sessions.persist import NoJournal, SessionJournal, Snapshot
+from llava.sessions.session import Session, Sharing
+from llava.sessions.store import EXPIRED, SessionStore
+
+logger = logging.getLogger(__name__)
+
+
+class Marks(Protocol):
+    """What the tier asks of the memory manager (llava.kv.memory.MemoryManager)."""
+
+    def mark_persisted(self, holding: Holding, persisted: bool) -> None: ...
+    def hold_parked(
+        self, feature_shape: tuple[int, int] | None, image_key: bytes | None = None
+    ) -> Holding: ...
+    def features(self, holding: Holding) -> torch.Tensor | None: ...
+
+
+class PersistentTier:
+    def __init__(self, journal: SessionJournal | NoJournal, memory: Marks, ttl_s: float):
+        self.journal = journal
+        self.memory = memory
+        self.ttl_s = ttl_s
+
+    def write(self, session: Session, with_features: bool = False) -> None:
+        """The session's committed state (at open, ``with_features``: its image features too)
+        on disk before its reply goes; the caller holds the session's turn. A session kept
+        here is parked under pressure, one that is not is evicted."""
+        if not self.journal.enabled:
+            return
+        holding = session.holding
+        features = self.memory.features(holding) if with_features else None
+        snapshot = Snapshot(
+            session.session_id,
+            session.token_ids,
+            session.messages,
+            session.turns,
+            time.time(),
+            self.ttl_s,
+            None if holding.image_key is None else holding.image_key.hex(),
+            session.sharing.tenant,
+            session.sharing.opening_tokens,
+        )
+        try:
+            kept = self.journal.save(snapshot, features)
+        except Exception:  # a bug here must not fail a committed turn: the entry goes instead
+            logger.exception("persistent tier: session %s not kept", log_id(session.session_id))
+            self.journal.remove(session.session_id)
+            kept = False
+        self.memory.mark_persisted(holding, kept)
+
+    def read_back(self, session: Session) -> torch.Tensor:
+        """A parked session's image features (BadEntry: they cannot be read)."""
+        return self.journal.features(session.session_id)
+
+    def remove(self, session_id: str, reason: str | None = None) -> None:
+        """The session went (closed, expired, evicted): its entry goes, and why is noted."""
+        self.journal.remove(session_id, reason)
+
+    def adopt(self, store: SessionStore, shares_images: bool) -> int:
+        """Sessions a previous worker of this model left here continue in ``store``: same
+        ids, same expiry, history and features. They are adopted parked (nothing in memory
+        but their history): each one's next turn reads its features back and recomputes its
+        KV (tier PERSISTED). ``shares_images``: their features and prefix are shared under
+        their image's key. Returns how many."""
+        now = time.time()
+        loaded = self.journal.load(now)
+        for session_id, reason in loaded.gone.items():
+            store.remember_gone(session_id, reason)
+        for session_id in loaded.expired:
+            store.refuse_entry(session_id, EXPIRED)
+        for entry in loaded.live:
+            snapshot = entry.snapshot
+            key = snapshot.image_key  # already salted with its tenant
+            shared = bytes.fromhex(key) if key and shares_images else None
+            holding = self.memory.hold_parked(entry.features_shape, shared)
+            sharing = Sharing(snapshot.tenant, snapshot.opening_tokens)
+            session = Session(snapshot.session_id, snapshot.token_ids, holding, sharing=sharing)
+            session.messages, session.turns = snapshot.messages, snapshot.turns
+            store.restore(session, idle_s=max(0.0, now - snapshot.last_used_wall))
+        if loaded.live:
+            logger.info("persistent tier: adopted %d sessions", len(loaded.live))
+        return len(loaded.live)

@@ -1,0 +1,1 @@
+"""The benchmarks (`make bench`), one module each: `python -m scripts.bench.<name>`."""
