@@ -50,9 +50,10 @@ test: setup lint demo-mar
 	$(PY) -m pytest -q
 
 # The developer's loop: the unit tier alone (no TorchServe, no Java, no Docker, no index),
-# without its thorough checks (marker `thorough`: `make test` runs them), on every core.
+# without its thorough checks (marker `thorough`: `make test` runs them), on every core; its
+# bytecode and rewritten asserts are kept between runs even where the environment says not to.
 test-fast: setup
-	$(PY) -m pytest -q -n auto -m "not thorough" tests/unit
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n auto -m "not thorough" tests/unit
 
 # The container tier (.ci/run runs it after `test`): starts a Docker engine if none answers
 # (installing Debian's docker.io if missing), makes the stand-in base image once, builds the

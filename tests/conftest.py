@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from pathlib import Path
 
@@ -21,12 +22,47 @@ os.environ["LLAVA_PERSIST_DIR"] = "null"
 # interpreter, which Triton picks when a kernel is defined: set before any test imports one.
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Until the tests are collected, no garbage collection: importing torch, transformers and the
+# test modules made the collector's full passes over all their objects cost about 3 s a process.
+gc.disable()
 # make test-fast runs the unit tier on every core (pytest-xdist): one torch thread a worker,
 # so the workers do not fight over the cores (the tiny models gain nothing from more).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+
+
+# make test-fast (-m "not thorough") leaves the tests marked thorough out: there, the property
+# tests draw fewer examples (hypothesis_examples); make test, -m thorough and no -m draw them all.
+FAST_TIER = False
+
+
+def pytest_configure(config):
+    global FAST_TIER
+    from _pytest.mark.expression import Expression
+
+    markexpr = config.getoption("markexpr", "")
+    if markexpr:  # an unmarked test selected, one marked only thorough left out
+        selects = Expression.compile(markexpr).evaluate
+        unmarked, thorough = (lambda *_, **__: False), (lambda name, **_: name == "thorough")
+        FAST_TIER = selects(unmarked) and not selects(thorough)
+
+
+def hypothesis_examples(thorough: int) -> int:
+    """A property test's ``max_examples``: ``thorough`` where the thorough tests run, a fifth
+    of it (at least 20) in make test-fast. Read when a test module is imported (collection),
+    after pytest_configure."""
+    return max(20, thorough // 5) if FAST_TIER else thorough
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    try:
+        return (yield)
+    finally:  # the objects the imports made are frozen: the tests' collections skip them
+        gc.freeze()
+        gc.enable()
 
 
 def pytest_unconfigure(config):
@@ -43,8 +79,9 @@ def demo_model():
     return load_model(str(DEMO_MODEL_DIR))
 
 
-def recognized_samples(demo_model, n: int, seed: int = 20_000):
-    """Held-out images whose colour and shape the model names in a fresh, isolated session.
+def recognized(demo_model, seed: int = 20_000):
+    """Held-out images whose colour and shape the model names in a fresh, isolated session,
+    in order, each tried when the caller asks for the next.
 
     The model is ~99 % accurate (tests/unit/test_demo_model.py checks that); these tests are about
     what sessions do to answers, so they start from images it is known to get right alone.
@@ -55,16 +92,20 @@ def recognized_samples(demo_model, n: int, seed: int = 20_000):
     from llava.kv.budget import MemoryBudget
 
     engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
-    found = []
     for candidate in held_out_samples(200, seed=seed):
         session_id = engine.open(candidate.image).session_id
         color = engine.ask(session_id, "What color is the shape?").text
         shape = engine.ask(session_id, "And its shape?").text
         if (color, shape) == (candidate.color, candidate.shape):
-            found.append(candidate)
-        if len(found) == n:
-            return found
-    raise AssertionError(f"the demo model recognized fewer than {n} of 200 held-out images")
+            yield candidate
+
+
+def recognized_samples(demo_model, n: int, seed: int = 20_000):
+    """The first ``n`` of ``recognized``."""
+    found = list(itertools.islice(recognized(demo_model, seed), n))
+    if len(found) < n:
+        raise AssertionError(f"the demo model recognized fewer than {n} of 200 held-out images")
+    return found
 
 
 @pytest.fixture(scope="module")

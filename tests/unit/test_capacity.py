@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from functools import cache
 
 import pytest
 import torch
@@ -33,11 +34,17 @@ from tests.conftest import DEMO_MODEL_DIR, REPO
 NEXT_ROWS = ("ml.g5.2xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge")
 
 
+@cache
+def loaded_checkpoint(model_dir, dtype: torch.dtype):
+    """load_checkpoint, once for each model and dtype: the tests only read what it returns."""
+    return load_checkpoint(str(model_dir), dtype)
+
+
 def test_an_opened_session_holds_exactly_the_bytes_capacity_predicts(demo_model):
     engine = Engine(demo_model, EngineConfig("-"), MemoryBudget(8 << 20))
     engine.open(held_out_samples(1, seed=71_000)[0].image)
     held = engine.stats().bytes_by_tier
-    predicted = session_bytes(load_checkpoint(str(DEMO_MODEL_DIR), torch.float32), Workload(0, 0))
+    predicted = session_bytes(loaded_checkpoint(DEMO_MODEL_DIR, torch.float32), Workload(0, 0))
     assert (held[Tier.KV], held[Tier.FEATURES]) == (predicted.kv, predicted.features)
     assert predicted.kv > 0 and predicted.features > 0
 
@@ -50,13 +57,13 @@ def test_a_sessions_persistent_entry_takes_about_what_capacity_predicts(demo_mod
     engine.ask(session_id, "What color is the shape?", {"max_new_tokens": 60})
     features = (tmp_path / f"{session_id}.features").stat().st_size
     written = engine.persistent.journal.total_bytes
-    predicted = session_bytes(load_checkpoint(str(DEMO_MODEL_DIR), torch.float32), Workload(1, 60))
+    predicted = session_bytes(loaded_checkpoint(DEMO_MODEL_DIR, torch.float32), Workload(1, 60))
     assert features < predicted.persisted
     assert abs(predicted.persisted - written) <= 0.1 * written, (predicted.persisted, written)
 
 
 def test_llava_15_7b_from_its_config_alone():
-    checkpoint = load_checkpoint(str(LLAVA_15), torch.float16)
+    checkpoint = loaded_checkpoint(LLAVA_15, torch.float16)
     assert (checkpoint.family, checkpoint.image_tokens) == ("llava", 576)
     assert checkpoint.kv_bytes_per_token == 32 * 2 * 32 * 128 * 2  # layers, K+V, heads, dim, fp16
     assert 7.0e9 < checkpoint.weight_bytes / 2 < 7.1e9  # 7.06 B parameters
@@ -77,7 +84,7 @@ def test_llava_15_7b_from_its_config_alone():
 def test_a_multi_gpu_instance_holds_one_shards_sessions_per_gpu():
     """ml.g5.12xlarge: 4 x A10G 24 GiB, one engine shard each; the host tier (a quarter of
     192 GiB) is split four ways, as ShardedEngine.from_config splits it."""
-    checkpoint = load_checkpoint(str(LLAVA_15), torch.float16)
+    checkpoint = loaded_checkpoint(LLAVA_15, torch.float16)
     per = session_bytes(checkpoint, Workload(turns=10, tokens_per_turn=60))
     g5 = INSTANCES["ml.g5.12xlarge"]
     host = g5.host_memory_bytes // 4
@@ -95,7 +102,7 @@ def test_llava_next_mistral_7b_sizes_its_largest_image_and_gqa_kv():
     """llava-v1.6-mistral-7b-hf: 2,928 image tokens (a 672 x 672 image: 4 tiles + the
     global view, nothing unpadded), and Mistral's 8 KV heads of 128: a quarter of llava-1.5's
     KV per token, so a session of three times the tokens still holds fewer bytes."""
-    checkpoint = load_checkpoint(str(LLAVA_NEXT), torch.bfloat16)
+    checkpoint = loaded_checkpoint(LLAVA_NEXT, torch.bfloat16)
     assert (checkpoint.family, checkpoint.image_tokens) == ("llava_next", 2928)
     processor = inspect_checkpoint(LLAVA_NEXT).processor
     assert image_tokens(processor, 640, 480) < checkpoint.image_tokens  # fewer for most images
@@ -107,7 +114,7 @@ def test_llava_next_mistral_7b_sizes_its_largest_image_and_gqa_kv():
     assert checkpoint.feature_bytes == 12 * 16 * checkpoint.kv_bytes_per_token
     per = session_bytes(checkpoint, Workload(turns=10, tokens_per_turn=60))
     assert per.kv == -(-per.tokens // 16) * 16 * 128 * 2**10
-    llava_15 = load_checkpoint(str(LLAVA_15), torch.bfloat16)
+    llava_15 = loaded_checkpoint(LLAVA_15, torch.bfloat16)
     assert 4 * checkpoint.kv_bytes_per_token == llava_15.kv_bytes_per_token
     same = session_kv_bytes(per.tokens, llava_15.kv_bytes_per_token, 16)
     assert 4 * per.kv == same
@@ -132,6 +139,9 @@ def test_the_cli_prints_the_table_for_one_instance(capsys):
     assert "NVIDIA L40S datasheet" in printed  # every figure says where it came from
 
 
+# make test-fast runs the command for llava-1.5 (above) and checks NeXT's figures in-process
+# (test_llava_next_mistral_7b_sizes_its_largest_image_and_gqa_kv)
+@pytest.mark.thorough
 def test_the_cli_sizes_llava_next_on_the_three_instances(capsys):
     flags = [arg for name in NEXT_ROWS for arg in ("--instance", name)]
     assert capacity_cli(["--model-dir", str(LLAVA_NEXT), *flags]) == 0

@@ -109,7 +109,13 @@ def last_prompt(engine: Engine, session_id: str, answer) -> list[int]:
     return history[: len(history) - kept]
 
 
-@pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
+# make test-fast keeps the image session; a text-only one's prompts are checked there by
+# test_a_system_prompt_is_rendered_as_the_checkpoints_template_renders_it[text-only]
+@pytest.mark.parametrize(
+    "with_image",
+    [True, pytest.param(False, marks=pytest.mark.thorough)],
+    ids=["image", "text-only"],
+)
 def test_every_turn_prompt_is_the_canonical_tokenization(engine, image, with_image):
     img = image if with_image else None
     session_id = engine.open(img).session_id

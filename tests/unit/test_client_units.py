@@ -10,7 +10,7 @@ import json
 import pytest
 from botocore.eventstream import EventStreamBuffer
 from botocore.exceptions import ClientError
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -21,6 +21,7 @@ from llava_client.jsonlines import JsonLines
 from llava_client.stream_order import stream_gap
 from local_endpoint import eventstream
 from serving.torchserve import free_ports
+from tests.conftest import hypothesis_examples
 from tests.endpoint_helpers import DUMMY_CREDENTIALS
 
 
@@ -30,6 +31,7 @@ def decode(stream: bytes) -> list:
     return list(buffer)
 
 
+@settings(max_examples=hypothesis_examples(100))  # 100: hypothesis's default
 @given(st.lists(st.binary(max_size=300), min_size=1, max_size=5))
 def test_botocore_decodes_payload_parts(payloads):
     messages = decode(b"".join(eventstream.payload_part(p) for p in payloads))
@@ -51,6 +53,7 @@ LINES = st.lists(
 )
 
 
+@settings(max_examples=hypothesis_examples(100))
 @given(LINES, st.lists(st.integers(min_value=0, max_value=400), max_size=12))
 def test_json_lines_survive_any_split(objects, cuts):
     """Splits fall anywhere: inside a line, inside a multi-byte UTF-8 character, on a newline."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from itertools import islice
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from llava.exec.attention import PAGED
 from llava.exec.runner import RunnerCounters
 from llava.kv.budget import MemoryBudget
 from llava.sessions.session import Tier
-from tests.conftest import recognized_samples
+from tests.conftest import recognized
 from tests.memory_helpers import FakeClock
 
 # Six+ turns mixing first questions, follow-ups that need the history, and free text.
@@ -31,6 +32,7 @@ CONVERSATION = [
     "What is in the picture?",
 ]
 MAX_NEW = 6
+SMALL_BUDGET = MemoryBudget(64 << 20)  # hundreds of demo sessions
 
 
 @pytest.fixture
@@ -61,7 +63,14 @@ def prompt_of_last_turn(engine: Engine, session_id: str, answer) -> list[int]:
     return history[: answer.cached_tokens + answer.new_tokens]
 
 
-@pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
+# make test-fast keeps the image session; a text-only one is checked against HF's generate
+# there by test_checkpoint_fidelity.py's
+# test_a_system_prompt_is_rendered_as_the_checkpoints_template_renders_it[text-only]
+@pytest.mark.parametrize(
+    "with_image",
+    [True, pytest.param(False, marks=pytest.mark.thorough)],
+    ids=["image", "text-only"],
+)
 def test_kv_reuse_equals_full_recompute_over_many_turns(engine, sample, with_image):
     image = sample.image if with_image else None
     session_id = engine.open(image).session_id
@@ -77,13 +86,20 @@ def test_kv_reuse_equals_full_recompute_over_many_turns(engine, sample, with_ima
     assert cached_before == sorted(cached_before) and cached_before[0] > 0
 
 
-@pytest.mark.parametrize("sharing", ["off", "opening", "all"])
+@pytest.mark.parametrize(  # make test-fast keeps the default setting, "opening"
+    "sharing",
+    [
+        pytest.param("off", marks=pytest.mark.thorough),
+        "opening",
+        pytest.param("all", marks=pytest.mark.thorough),
+    ],
+)
 def test_answer_after_demotion_to_features_is_unchanged(demo_model, sample, sharing):
     """Recomputed from its features; with sharing on, on the blocks it (and, as far as the
     setting allows, the hot session) published, which stay reusable after it let go of them."""
     share = sharing != "off"
     config = EngineConfig(model_dir="-", prefix_sharing=sharing, check_memory_when_idle=True)
-    engine = Engine(demo_model, config, MemoryBudget(1 << 30))
+    engine = Engine(demo_model, config, SMALL_BUDGET)  # the idle checks walk every block
     hot = engine.open(sample.image).session_id
     cold = engine.open(sample.image).session_id
     for question in CONVERSATION[:3]:
@@ -131,9 +147,11 @@ def test_expiry_and_close_free_every_byte(engine, clock, sample):
 
 
 def test_interleaved_sessions_each_answer_about_their_own_image(engine, demo_model):
-    candidates = recognized_samples(demo_model, 12, seed=40_000)
-    a = candidates[0]  # and one that differs in colour and shape, so answers tell them apart
-    b = next(c for c in candidates if c.color != a.color and c.shape != a.shape)
+    # a, and the first of the next eleven that differs from it in colour and shape, so answers
+    # tell them apart (each image tried only when needed)
+    candidates = recognized(demo_model, seed=40_000)
+    a = next(candidates)
+    b = next(c for c in islice(candidates, 11) if c.color != a.color and c.shape != a.shape)
     ids = {engine.open(s.image).session_id: s for s in (a, b)}
     turns = [
         ("What color is the shape?", "color"),
@@ -235,7 +253,6 @@ def test_each_turn_announces_an_expiry_one_ttl_after_it(engine, clock, sample):
 
 
 # -- the attention and cuda_graphs settings, and degrading instead of dying -----------------
-SMALL_BUDGET = MemoryBudget(64 << 20)
 
 
 def answers_of(engine: Engine, image, questions=CONVERSATION[:3]) -> list[tuple[int, ...]]:

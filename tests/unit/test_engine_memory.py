@@ -160,7 +160,13 @@ def test_a_turn_restored_from_the_host_says_so_and_reuses_its_cache(demo_model):
 QUESTIONS = ("What color is the shape?", "And its shape?", "What is in the picture?")
 
 
-@pytest.mark.parametrize("turns", [80, pytest.param(150, marks=pytest.mark.thorough)])
+# A random walk (seconds). make test-fast keeps each move alone, answering as never moved:
+# test_a_turn_restored_from_the_host_says_so_and_reuses_its_cache, test_engine.py's
+# test_answer_after_demotion_to_features_is_unchanged, test_parking.py's
+# test_without_the_persistent_tier_the_same_sessions_are_evicted_and_told_so; and many sessions
+# under pressure: test_prefix_sharing.py's test_shared_sessions_under_memory_pressure_answer_alike.
+@pytest.mark.thorough
+@pytest.mark.parametrize("turns", [80, 150])
 def test_answers_under_random_pressure_equal_answers_never_moved(demo_model, turns):
     """Many sessions, turns in random order: a tight engine (sessions go to the host, to
     features, and away) answers every turn of a surviving session exactly as an engine with

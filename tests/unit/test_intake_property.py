@@ -15,12 +15,17 @@ from PIL import Image
 
 from llava.errors import EngineError
 from llava.intake import IntakePolicy, decode_image, load_image, parse_image_source
+from tests.conftest import hypothesis_examples
 from tests.intake_servers import image_bytes
 from tests.strategies import json_values
 
 # Small pixel limit: a mutated header may claim a big image, and decoding it is not the point.
 POLICY = IntakePolicy(max_pixels=200_000, max_bytes=64 * 1024)
-PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=hypothesis_examples(150),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 _seed = Image.new("RGBA", (12, 9), (200, 100, 50, 128))
 SEEDS = [

@@ -107,6 +107,9 @@ def test_free_gives_everything_back_and_is_idempotent():
     assert (kv.length, kv.nbytes, pool.free_blocks) == (0, 0, 6)
 
 
+# Two thousand random operations (seconds): make test-fast keeps the single-purpose tests above
+# and below (reserve, crop, free, a blocked session's move, no room to move).
+@pytest.mark.thorough
 def test_random_reserve_crop_free_never_shares_loses_or_corrupts_a_block():
     """Each session writes its own number into the tokens it adds; through moves, crops and
     frees every session still reads only its own number."""

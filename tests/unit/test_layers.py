@@ -219,6 +219,10 @@ class CountingBackend:
         return graph.forward if self.then is None else self.then(graph, inputs)
 
 
+# torch.compile traces every piece at five token counts (seconds on a CPU): make test-fast keeps
+# the eager pieces (test_eager_pieces_equal_the_layers_modules_and_the_models_forward) and
+# the compile path's fallback (test_a_compile_that_raises_falls_back_to_eager_once).
+@pytest.mark.thorough
 @torch.inference_mode()
 def test_one_graph_per_piece_serves_every_layer_and_token_count():
     """Warm-up makes all six graphs (pre without and with a delta, post; at one token and at
@@ -245,6 +249,11 @@ def failing_backend(graph, inputs):
     raise RuntimeError("no compiler here\nsecond line")
 
 
+@pytest.mark.parametrize(  # the fallback is the same for both: make test-fast keeps llama's
+    "model",
+    ["llama-gqa-bias", pytest.param("mistral-mha", marks=pytest.mark.thorough)],
+    indirect=True,
+)
 @torch.inference_mode()
 def test_a_compile_that_raises_falls_back_to_eager_once(model, caplog):
     weights = merge_projections(model)

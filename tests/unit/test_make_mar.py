@@ -53,7 +53,10 @@ def bad_model_dir(tmp_path: Path, kind: str) -> Path:
         ("no weights", "no *.safetensors"),
     ],
 )
-@pytest.mark.parametrize("weights", ["inside", "reference"])
+# the model dir is checked before the weights mode counts: make test-fast runs "inside" only
+@pytest.mark.parametrize(
+    "weights", ["inside", pytest.param("reference", marks=pytest.mark.thorough)]
+)
 def test_a_bad_model_dir_is_refused_at_once(tmp_path, kind, says, weights):
     model_dir, store = bad_model_dir(tmp_path, kind), tmp_path / "store"
     refused = make_mar("--model-dir", str(model_dir), "--weights", weights, "--export-path", store)

@@ -21,20 +21,40 @@ SHORT = {"max_new_tokens": 4}
 QUESTIONS = ["What color is the shape?", "And its shape?", "Say that again."]
 
 
+class Control:
+    """The sessions on a device that holds them all: their answers there, worked out for as many
+    sessions as the tests have asked for so far, and one session's bytes and a block (every
+    session holds as many: the same opening, four-token answers)."""
+
+    def __init__(self, demo_model):
+        self.engine = Engine(demo_model, EngineConfig("-"), MemoryBudget(1 << 30))
+        self.images = [s.image for s in held_out_samples(SESSIONS, seed=20_400)]
+        self.answers: list[list[tuple[int, ...]]] = []
+        self.one_session = 0
+        self.expected(1)
+
+    def expected(self, sessions: int) -> list[list[tuple[int, ...]]]:
+        """The first ``sessions`` sessions' answers to QUESTIONS."""
+        engine = self.engine
+        for image in self.images[len(self.answers) : sessions]:
+            session_id = engine.open(image).session_id
+            self.answers.append([engine.ask(session_id, q, SHORT).token_ids for q in QUESTIONS])
+            held = engine.memory.held_bytes(engine.store.session(session_id).holding)
+            held += engine.memory.pool.bytes_per_block
+            assert self.one_session in (0, held), "sessions that hold different bytes"
+            self.one_session = held
+        return self.answers[:sessions]
+
+
 @pytest.fixture(scope="module")
 def control(demo_model):
-    """Each session's answers on a device that holds them all, and one session's bytes."""
-    engine = Engine(demo_model, EngineConfig("-"), MemoryBudget(1 << 30))
-    images = [s.image for s in held_out_samples(SESSIONS, seed=20_400)]
-    ids = [engine.open(image).session_id for image in images]
-    answers = [[engine.ask(i, q, SHORT).token_ids for q in QUESTIONS] for i in ids]
-    one_session = max(engine.memory.held_bytes(engine.store.session(i).holding) for i in ids)
-    engine.stop()
-    return images, answers, one_session + engine.memory.pool.bytes_per_block
+    control = Control(demo_model)
+    yield control
+    control.engine.stop()
 
 
 def engine_for_one_session(demo_model, control, directory=None, host_sessions=0, **settings):
-    _images, _answers, one_session = control
+    one_session = control.one_session
     persist_dir = None if directory is None else str(directory)
     config = EngineConfig("-", persist_dir=persist_dir, **settings)
     return Engine(demo_model, config, MemoryBudget(one_session, host_sessions * one_session))
@@ -53,11 +73,16 @@ def round_robin(engine: Engine, ids: list[str], questions: list[str]) -> list[li
     return answers
 
 
+# Twenty sessions round-robin through parking, a restart, and back (seconds): make test-fast
+# keeps test_a_full_directory_stops_parking_and_never_fails_a_turn (sessions parked and back,
+# every turn) and test_persist.py's
+# test_a_restarted_worker_adopts_more_sessions_than_its_device_holds_and_loses_none.
+@pytest.mark.thorough
 @pytest.mark.parametrize("host_sessions", [0, 3], ids=["no-host-tier", "host-tier"])
 def test_twenty_sessions_on_a_one_session_device_all_answer_and_none_is_evicted(
     demo_model, control, tmp_path, host_sessions
 ):
-    images, expected, _one_session = control
+    images, expected = control.images, control.expected(SESSIONS)
     engine = engine_for_one_session(demo_model, control, tmp_path, host_sessions)
     ids = [engine.open(image).session_id for image in images]
     answers = round_robin(engine, ids, QUESTIONS[:2])
@@ -81,7 +106,7 @@ def test_without_the_persistent_tier_the_same_sessions_are_evicted_and_told_so(
     demo_model, control, caplog
 ):
     """What parking saves: with no tier to keep them, sessions go whole, each logged."""
-    images, _expected, _one_session = control
+    images = control.images
     engine = engine_for_one_session(demo_model, control)
     ids = [engine.open(image).session_id for image in images[:4]]
     with caplog.at_level(logging.WARNING, "llava.kv.memory"):
@@ -96,7 +121,7 @@ def test_without_the_persistent_tier_the_same_sessions_are_evicted_and_told_so(
 def test_a_parked_session_whose_entry_is_unreadable_is_evicted_alone(
     demo_model, control, tmp_path, caplog
 ):
-    images, expected, _one_session = control
+    images, expected = control.images, control.expected(2)
     # nothing shared: a parked session's features stay reusable in the pool until their room
     # is needed, under their image's key, and would come back from there
     engine = engine_for_one_session(demo_model, control, tmp_path, prefix_sharing="off")
@@ -125,7 +150,7 @@ def test_a_full_directory_stops_parking_and_never_fails_a_turn(
 ):
     """Entries past the cap are not kept (logged): those sessions are evicted when their
     room is needed, as with no tier; every open and turn of the others answers."""
-    images, expected, _one_session = control
+    images, expected = control.images, control.expected(2)
     probe = engine_for_one_session(demo_model, control, tmp_path / "probe")
     probe.open(images[0])
     entry = probe.persistent.journal.total_bytes

@@ -31,8 +31,10 @@ OWN_SYSTEM = "Answer about the picture: say its color first, then its shape, one
 GUESSED_SYSTEM = "Answer about the picture: say its shape first, then its color, one word each."
 
 
-def new_engine(demo_model, sharing: str = "opening", budget: int = 1 << 30, **settings) -> Engine:
-    """The operator's system prompt is SYSTEM unless ``settings`` say otherwise."""
+def new_engine(demo_model, sharing: str = "opening", budget: int = 64 << 20, **settings) -> Engine:
+    """The operator's system prompt is SYSTEM unless ``settings`` say otherwise. The default
+    budget holds hundreds of these sessions: room enough, and the books the loop checks when
+    idle (check_memory_when_idle walks every block of the pool) stay a few thousand blocks."""
     settings = {"system_prompt": SYSTEM, **settings}
     config = EngineConfig(
         model_dir="-", prefix_sharing=sharing, check_memory_when_idle=True, **settings
@@ -97,6 +99,9 @@ def test_an_image_with_one_pixel_changed_never_shares_the_images_kv(demo_model, 
     assert conversation(engine, other.session_id) == reference(unshared, changed)
 
 
+# Twelve opens of four near-identical images at once (seconds): make test-fast keeps one of them
+# alone, test_an_image_with_one_pixel_changed_never_shares_the_images_kv.
+@pytest.mark.thorough
 def test_many_near_identical_images_opened_at_once_each_get_their_own(demo_model, unshared):
     engine = new_engine(demo_model)
     base = held_out_samples(1, seed=20_033)[0].image

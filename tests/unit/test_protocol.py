@@ -25,6 +25,7 @@ from handlers.protocol import (
 from llava import errors
 from llava.errors import EngineError, InvalidRequest
 from llava.sampling.params import GenerationParams
+from tests.conftest import hypothesis_examples
 from tests.seed_client import LlavaChatSession
 from tests.strategies import json_values
 
@@ -363,7 +364,7 @@ headers_like = st.dictionaries(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=hypothesis_examples(300), deadline=None)
 @given(body=json_values | request_like | st.binary(max_size=200), headers=headers_like)
 def test_arbitrary_input_is_a_request_or_a_typed_error(body, headers):
     try:

@@ -44,14 +44,17 @@ def ask_all(engine: Engine, session_id: str, questions: list[str]) -> None:
         engine.ask(session_id, question, GREEDY)
 
 
+# make test-fast keeps three that rewind one, two and every turn, from the device, the features
+# and the disk, shared and not; make test runs all six
 @pytest.mark.parametrize(
     ("rewind", "tier", "share"),
     [
         (1, Tier.KV, False),
-        (1, Tier.KV, True),
-        (2, Tier.HOST, False),
+        pytest.param(1, Tier.KV, True, marks=pytest.mark.thorough),
+        pytest.param(2, Tier.HOST, False, marks=pytest.mark.thorough),
         (2, Tier.FEATURES, True),
-        (3, Tier.KV, True),  # every turn: the image goes with the new first question
+        # every turn: the image goes with the new first question
+        pytest.param(3, Tier.KV, True, marks=pytest.mark.thorough),
         (3, Tier.PERSISTED, False),
     ],
     ids=str,

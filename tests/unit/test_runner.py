@@ -107,7 +107,10 @@ def demo(demo_model) -> Subject:
     return Subject(demo_model.model, demo_model.prompt, demo_model.processor.image_processor)
 
 
-@pytest.fixture(params=["tiny-llava-1.5", "demo"])
+SUBJECTS = ["tiny-llava-1.5", "demo"]
+
+
+@pytest.fixture(params=SUBJECTS)
 def subject(request) -> Subject:
     return request.getfixturevalue("tiny" if request.param == "tiny-llava-1.5" else "demo")
 
@@ -206,13 +209,31 @@ ATTENTION = pytest.mark.parametrize(
 )
 
 
+# make test-fast keeps three of the twelve, which take each model, each block layout (read in
+# place, joined, gathered) and a prompt with and without an image at least once.
+FAST_LOGITS = {
+    ("tiny-llava-1.5", "image", "fragmented"),
+    ("demo", "text-only", "runs"),
+    ("demo", "image", "adjacent"),
+}
+LOGITS_CASES = [
+    pytest.param(
+        name,
+        prompt,
+        blocks,
+        id=f"{name}-{prompt}-{blocks}",
+        marks=() if (name, prompt, blocks) in FAST_LOGITS else pytest.mark.thorough,
+    )
+    for name in SUBJECTS
+    for prompt in ("image", "text-only")
+    for blocks in ("adjacent", "runs", "fragmented")
+]
+
+
 @ATTENTION
-@pytest.mark.parametrize("blocks", ["adjacent", "runs", "fragmented"])
-@pytest.mark.parametrize("with_image", [True, False], ids=["image", "text-only"])
-def test_logits_equal_hf_forward_through_prefills_and_decode(
-    subject, with_image, blocks, attention
-):
-    image = red_square() if with_image else None
+@pytest.mark.parametrize(("subject", "prompt", "blocks"), LOGITS_CASES, indirect=["subject"])
+def test_logits_equal_hf_forward_through_prefills_and_decode(subject, prompt, blocks, attention):
+    image = red_square() if prompt == "image" else None
     chunks = subject.chunks(image, [QUESTIONS[0], QUESTIONS[2]])
     expected = hf_record(subject.model, chunks, decode_steps=20)
     got: list[torch.Tensor] = []
@@ -234,7 +255,9 @@ ROPES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("rope", sorted(ROPES))
+# the runner takes the model's own rotary embedding for every static rope type: make test-fast
+# checks llama3's, make test linear's too
+@pytest.mark.parametrize("rope", [pytest.param("linear", marks=pytest.mark.thorough), "llama3"])
 def test_scaled_rope_types_equal_hf_forward(rope):
     subject = tiny_llava(rope_parameters=ROPES[rope])
     chunks = subject.chunks(None, [QUESTIONS[1], "And a much longer follow-up question, please."])
@@ -246,6 +269,9 @@ def test_scaled_rope_types_equal_hf_forward(rope):
 
 # -- batched equals alone ------------------------------------------------------------------
 @ATTENTION
+@pytest.mark.parametrize(  # make test-fast: the tiny model's grouped KV heads and biases
+    "subject", ["tiny-llava-1.5", pytest.param("demo", marks=pytest.mark.thorough)], indirect=True
+)
 def test_eight_sequences_stepped_together_equal_each_alone(subject, attention):
     """Different images, text-only sessions, lengths and answer lengths; staggered starts mix
     prefills of some sequences with decode steps of others in one step."""

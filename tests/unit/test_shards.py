@@ -372,6 +372,11 @@ def test_gpu_checks_shard_table_runs_on_two_cpu_shards():
     assert rows == [("cpu", 2, 12), ("cpu", 2, 12)]
 
 
+# Two two-shard workers, one after the other (four model loads): make test-fast keeps a restart
+# on one engine (test_persist.py's test_a_new_engine_continues_a_session_as_if_nothing_happened)
+# and a session a shard holds that the facade did not open
+# (test_a_session_the_facade_did_not_open_is_found_on_its_shard).
+@pytest.mark.thorough
 def test_a_restarted_two_shard_worker_continues_each_session_on_its_shard(images, tmp_path):
     """The persistent tier with shards: shard k keeps its entries in <persist_dir>/shard-k
     with half the cap, so a new worker with the same devices re-attaches every session to the

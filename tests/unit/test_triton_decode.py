@@ -69,15 +69,16 @@ def reference(q, keys, values, tables, positions, block_tokens, scale):
     return out
 
 
-# On a CPU each kernel call runs under Triton's interpreter (seconds): make test-fast keeps
-# gqa-1 and the checks without a kernel call; make test (and a GPU) runs the rest.
+# On a CPU each kernel call runs under Triton's interpreter (seconds): make test-fast keeps the
+# checks without a kernel call; make test (and a GPU) runs the kernel's.
 thorough = pytest.mark.thorough
 
 
 # 8 splits are more than any row's blocks: the empty splits weigh nothing.
+@thorough
 @pytest.mark.parametrize(
     "kv_heads, splits",
-    [(2, 1), pytest.param(4, 3, marks=thorough), pytest.param(2, 8, marks=thorough)],
+    [(2, 1), (4, 3), (2, 8)],
     ids=["gqa-1", "mha-3", "gqa-8"],
 )
 def test_rows_equal_sdpa_over_their_own_slots(kv_heads, splits):
