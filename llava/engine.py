@@ -120,7 +120,7 @@ class Engine:
         self.memory = MemoryManager(pool, budget)
         location = persistence(config)
         identity = model_identity(loaded.model, loaded.dtype, kept_weights_digest(loaded, location))
-        vocab_size = loaded.model.config.text_config.vocab_size
+        vocab_size = text_config.vocab_size
         journal = open_journal(location, identity, vocab_size, config.session_ttl_s)
         self.persistent = PersistentTier(journal, self.memory, config.session_ttl_s)
         self.store = SessionStore(
@@ -138,12 +138,9 @@ class Engine:
         self.context = RequestContext(
             leases=leases,
             prompt=loaded.prompt,
-            encode_image=self.encode_image,
             tokenizer=loaded.tokenizer,
             eos_token_ids=loaded.eos_token_ids,
-            banned_ids=banned_token_ids(
-                loaded.tokenizer, loaded.model.config.text_config.vocab_size, loaded.eos_token_ids
-            ),
+            banned_ids=banned_token_ids(loaded.tokenizer, vocab_size, loaded.eos_token_ids),
             image_token_id=image_token_id,
             max_positions=loaded.max_positions,
             max_session_tokens=config.max_session_tokens,
@@ -156,8 +153,7 @@ class Engine:
             raise SettingsError("system_prompt", problem)
         # sessions a previous worker of this model left in the persistent tier continue here
         self.adopted = self.persistent.adopt(self.store, config.prefix_sharing != "off")
-        vocab = loaded.model.config.text_config.vocab_size
-        sampler = Sampler(vocab, self.context.banned_ids, loaded.eos_token_ids, loaded.device)
+        sampler = Sampler(vocab_size, self.context.banned_ids, loaded.eos_token_ids, loaded.device)
         self.runner = Runner(loaded.model, self.memory.pool, sampler, config.attention)
         knobs = config.max_batch, config.prefill_chunk_tokens, config.mixed_steps
         scheduler = Scheduler(*knobs, config.wait_for_room_s)

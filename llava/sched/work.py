@@ -46,7 +46,6 @@ class RequestContext:
 
     leases: Leases
     prompt: ChatPrompt
-    encode_image: Callable[[dict], torch.Tensor]  # vision inputs → (image tokens, hidden)
     tokenizer: object
     eos_token_ids: frozenset[int]
     banned_ids: object  # llava.sampling.logits_mask.banned_token_ids
