@@ -81,7 +81,8 @@ demo: demo-mar
 # from host against recompute, sessions per tier, accounted against actual bytes), and the
 # persistent tier (turn latency on/off, bytes per session, kill to the next answered turn),
 # then shared prefixes (an open on a held image against a cold one, bytes of 32 sessions on
-# one image against 32 images, turn time with sharing on and off).
+# one image against 32 images, turn time with sharing on and off), and a second image in a
+# session's turn against a new session for it and against stateless.
 bench: demo-mar
 	$(PY) -m scripts.bench.turns
 	$(PY) -m scripts.bench.turns --config realistic-next
@@ -95,6 +96,7 @@ bench: demo-mar
 	$(PY) -m scripts.bench.memory
 	$(PY) -m scripts.bench.persist
 	$(PY) -m scripts.bench.prefix
+	$(PY) -m scripts.bench.images
 
 # On a CUDA machine: preflight, the attention candidates, the engine's table on a
 # random-weight model of llava-1.5-7b's shape, the CUDA tests and two shards, each step

@@ -9,7 +9,9 @@ image's size), so the per-session bytes are the worst case. They come from the e
 accounting: the KV pool's bytes per token (GQA's KV heads included) and block size
 (llava.kv.pool), a session's KV and features in whole pool blocks (llava.kv.memory), the opening
 prompt (llava.model.prompt) and the engine's budget rule (llava.kv.budget)
-(docs/deploy.md §Capacity by arithmetic).
+(docs/deploy.md §Capacity by arithmetic). A turn that sends an image adds that image's
+features and its tokens' KV to the session (``image_bytes``; at most ``max_images_per_session``
+images a session).
 Kept thin on purpose: each number is one call into the code that does the accounting.
 """
 
@@ -87,6 +89,33 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype) -> Checkpoint:
     )
 
 
+@dataclass(frozen=True)
+class ImageBytes:
+    """What one more image costs a session on the device (a turn's ``image``): the largest
+    image's, as for the open's."""
+
+    tokens: int  # its image tokens
+    raw_features: int  # tokens x hidden size x the dtype's bytes
+    features: int  # the same in whole pool blocks (llava.kv.features keeps them so)
+    kv: int  # its tokens' K and V in every layer
+
+    @property
+    def total(self) -> int:
+        return self.features + self.kv
+
+
+def image_bytes(checkpoint: Checkpoint) -> ImageBytes:
+    """Device bytes of one extra image in a session: its features (one copy per image, in
+    pool blocks) and the KV of its image tokens, which the turn prefills into the session."""
+    tokens, hidden = checkpoint.feature_shape
+    return ImageBytes(
+        tokens=tokens,
+        raw_features=tokens * hidden * checkpoint.dtype.itemsize,
+        features=checkpoint.feature_bytes,
+        kv=tokens * checkpoint.kv_bytes_per_token,
+    )
+
+
 # The persistent tier's copy of the conversation's text, in characters a token (English).
 CHARS_PER_TOKEN = 4
 
@@ -95,8 +124,16 @@ def session_bytes(checkpoint: Checkpoint, workload: Workload) -> SessionBytes:
     tokens = checkpoint.opening_tokens + workload.turns * workload.tokens_per_turn
     # the entry as llava.sessions.persist writes it: ids of 5 digits, the turns' text
     text = "x" * (CHARS_PER_TOKEN * workload.turns * workload.tokens_per_turn)
-    history = Snapshot(str(uuid.uuid4()), [29_999] * tokens, [{"role": "user", "content": text}],
-                       workload.turns, 1.8e9, 1200.0, "0" * 64)  # fmt: skip
+    history = Snapshot(
+        str(uuid.uuid4()),
+        [29_999] * tokens,
+        [{"role": "user", "content": text}],
+        workload.turns,
+        last_used_wall=1.8e9,
+        ttl_s=1200.0,
+        images=(("0" * 64, checkpoint.image_tokens),),  # the open's image
+        opening_images=1,
+    )
     return SessionBytes(
         tokens=tokens,
         kv=session_kv_bytes(tokens, checkpoint.kv_bytes_per_token, BLOCK_TOKENS),
@@ -173,6 +210,19 @@ def persistent_tier_lines(per: SessionBytes, config: EngineConfig) -> list[str]:
     return [f"    {cap // per.persisted:>9,} sessions in {_mib(cap)}: {what}" for what, cap in caps]
 
 
+def extra_image_lines(checkpoint: Checkpoint, config: EngineConfig) -> list[str]:
+    """Bytes of each image a turn adds, and of a session holding the most images."""
+    image = image_bytes(checkpoint)
+    more = config.max_images_per_session - 1
+    return [
+        f"each extra image (a turn's image): {image.tokens:,} tokens ({_image_count(checkpoint)}):"
+        f" features {_mib(image.raw_features)} ({_mib(image.features)} in pool blocks)"
+        f" + KV {_mib(image.kv)} = {_mib(image.total)} on the GPU",
+        f"  at most {config.max_images_per_session} images a session (max_images_per_session,"
+        f" the open's included): {more} more add {_mib(more * image.total)}",
+    ]
+
+
 def _image_count(checkpoint: Checkpoint) -> str:
     if checkpoint.family == "llava_next":
         return "the largest image; NeXT counts depend on the image size"
@@ -207,6 +257,7 @@ def report(
         f"  parked         : {_mib(per.persisted)} in the persistent tier's directory, nothing"
         f" in memory (text at {CHARS_PER_TOKEN} characters a token)",
         *persistent_tier_lines(per, config),
+        *extra_image_lines(checkpoint, config),
         "",
         f"sessions per instance (one worker, one engine shard per GPU; device budget per GPU"
         f" {config.session_budget_fraction:g} x (GPU memory - weights); host tier budget"

@@ -100,7 +100,7 @@ class DialogueTokens:
 
     def first_turn(self, question: str, image: Image.Image) -> tuple[list[int], torch.Tensor]:
         """Ids of the image + first question (BOS and expanded image tokens), and pixels."""
-        text = ChatPrompt(self.processor).render([user_message(question, with_image=True)])
+        text = ChatPrompt(self.processor).render([user_message(question, images=1)])
         inputs = self.processor(text=text, images=image, return_tensors="pt")
         return inputs.input_ids[0].tolist(), inputs.pixel_values
 

@@ -52,6 +52,7 @@ class AskSession:
     parameters: dict | None
     stream: bool
     rewind_turns: Any = 0  # drop the session's last N turns first (checked by the engine)
+    image: dict | None = None  # a source for llava.intake.load_image: this turn adds that image
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ ACCEPTED_KEYS = {
         "sampling_params",
         "stream",
         "rewind_turns",
+        "image",
         "extSessionID",
     ),
     CLOSE_SESSION: ("requestType", "extSessionID"),
@@ -209,7 +211,9 @@ def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be true or false")
     rewind = payload.get("rewind_turns", 0)
-    return AskSession(session_id, payload["inputs"], _parameters(payload), stream, rewind)
+    # An image on a turn: the same sources, checked the same way, as an open's
+    image = _image_source(payload)
+    return AskSession(session_id, payload["inputs"], _parameters(payload), stream, rewind, image)
 
 
 def _open(
@@ -231,9 +235,13 @@ def _open(
             code=INPUTS_WITHOUT_SESSION,
         )
     _check_keys(payload, NEW_SESSION)
+    return OpenSession(_image_source(payload), from_body, payload.get("system"), tenant)
+
+
+def _image_source(payload: dict) -> dict | None:
+    """The body's ``image`` source, its shape checked (no I/O yet); None: no image."""
     image = payload.get("image")
-    source = None if image is None else parse_image_source(image)
-    return OpenSession(source, from_body, payload.get("system"), tenant)
+    return None if image is None else parse_image_source(image)
 
 
 def _check_keys(payload: dict, kind: str) -> None:
@@ -241,11 +249,8 @@ def _check_keys(payload: dict, kind: str) -> None:
     unknown = [key for key in payload if key not in accepted]
     if not unknown:
         return
-    hint = ""
-    if kind == SESSION and "image" in unknown:
-        hint = " (a session has the one image it was opened with: open a new session for another)"
     raise InvalidRequest(
-        f"requestType {kind} does not take {clip(', '.join(map(echo, unknown)))}{hint}; "
+        f"requestType {kind} does not take {clip(', '.join(map(echo, unknown)))}; "
         f"it takes {', '.join(accepted)}",
         code=UNKNOWN_KEY,
     )

@@ -130,6 +130,12 @@ class LlavaService:
         return {"sessionId": request.session_id, "cancelledTurns": cancelled}
 
     def _ask(self, request: AskSession, reply: _Reply) -> dict:
+        # A turn's image is fetched and decoded before the engine sees the turn: a fetch that
+        # fails answers the intake's error and the session stays as it was (docs/wire.md
+        # §Images on a turn).
+        image = None
+        if request.image is not None:
+            image = self.images.load(request.image, fit=self.engine.image_side)
         on_token = None
         if request.stream:
             reply.content_type(JSON_LINES)
@@ -142,6 +148,7 @@ class LlavaService:
                 on_token,
                 cancelled=cancelled.is_set,
                 rewind_turns=request.rewind_turns,
+                image=image,
             )
         _metrics_never_fail(lambda: self.metrics.turn(answer))
         return _answer_payload(answer)
@@ -226,6 +233,8 @@ def _answer_payload(answer: Answer) -> dict:
             "newTokens": answer.new_tokens,
             "cachedTokens": answer.cached_tokens,
             "tier": answer.tier.value,
+            "imageTokens": answer.image_tokens,  # this turn's image tokens among newTokens
+            "images": answer.images,  # the session's images with this turn's
         },
         "timing": {
             "ttftMs": round(answer.ttft_s * 1000, 2),

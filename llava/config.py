@@ -106,6 +106,9 @@ class EngineConfig:
     # A session's conversation in tokens (image, prompt, every turn and answer): a turn that
     # would pass it is refused (CONVERSATION_TOO_LONG); the context length bounds it too.
     max_session_tokens: int = 8192
+    # Images a session holds (its open's and those its turns bring); one more is refused
+    # (TOO_MANY_IMAGES). Each costs its features and its tokens' KV (docs/settings.md).
+    max_images_per_session: int = 4
     # Asks of one session waiting behind the one in flight; one more is refused (SESSION_BUSY).
     # One, so that the ask a caller sends right after hanging up on a stream waits for the
     # stopped turn to end instead of racing its CANCEL_TURN.
@@ -229,6 +232,7 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "max_sessions": (_positive_int, "an integer > 0"),
     "max_session_tokens": (_positive_int, "an integer > 0"),
+    "max_images_per_session": (_positive_int, "an integer > 0"),
     "max_waiting_asks": (lambda v: _int(v) and 0 <= v <= 16, "an integer from 0 to 16"),
     "max_requests_in_flight": (_positive_int, "an integer > 0"),
     "image_workers": (lambda v: _int(v) and 1 <= v <= 32, "an integer from 1 to 32"),

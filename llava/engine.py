@@ -24,13 +24,19 @@ from llava.config import EngineConfig, SettingsError
 from llava.errors import InvalidRequest, echo
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 from llava.kv.budget import MemoryBudget, memory_budget, session_feature_bytes, session_kv_bytes
-from llava.kv.holding import Tier
+from llava.kv.holding import NewImage, Tier
 from llava.kv.memory import MemoryCounters, MemoryManager
 from llava.kv.pool import KVPool
 from llava.kv.prefix import scoped
 from llava.model.imageprep import content_key
 from llava.model.loading import LoadedModel, load_model
-from llava.model.vision import image_features, largest_side, most_image_tokens, vision_inputs
+from llava.model.vision import (
+    image_features,
+    image_tokens_of,
+    largest_side,
+    most_image_tokens,
+    vision_inputs,
+)
 from llava.model.weights_digest import weights_digest
 from llava.sampling.logits_mask import banned_token_ids
 from llava.sampling.params import GenerationParams
@@ -38,7 +44,7 @@ from llava.sampling.sampler import Sampler
 from llava.sched.loop import EngineLoop
 from llava.sched.scheduler import Scheduler
 from llava.sched.work import Answer, Opened, OpenRequest, RequestContext, TurnRequest
-from llava.sessions.lease import Leases
+from llava.sessions.lease import AddedImage, Leases
 from llava.sessions.location import Location, open_journal, persistence
 from llava.sessions.persist import model_identity
 from llava.sessions.store import SessionStore, StoreCounters, full_session_id
@@ -144,6 +150,7 @@ class Engine:
             image_token_id=image_token_id,
             max_positions=loaded.max_positions,
             max_session_tokens=config.max_session_tokens,
+            max_images=config.max_images_per_session,
         )
         # what changes an image's features besides its pixels: the model and preprocessing
         self._features_salt = feature_salt(identity, loaded)
@@ -199,7 +206,7 @@ class Engine:
         ids = self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0])
         holding = self.memory.hold()
         try:
-            if self.memory.start(holding, len(ids) + 1, features=features) is None:
+            if self.memory.start(holding, len(ids) + 1, image=NewImage(None, features)) is None:
                 self.runner.step([StepInput(holding.kv, ids, features)])
                 self.runner.step([StepInput(holding.kv, ids[:1], None)])  # not an image token
         except PagedAttentionFailed as e:  # only a forced path lets it out (auto falls back)
@@ -286,9 +293,15 @@ class Engine:
         *,
         cancelled: Callable[[], bool] | None = None,
         rewind_turns: int = 0,
+        image: Image.Image | KeyedImage | None = None,
     ) -> Answer:
         """Answer ``question`` in the session; turns of one session run in arrival order, and
         past ``max_waiting_asks`` behind the one in flight an ask is refused (SessionBusy).
+
+        ``image``: one more image for the session, shown in this turn's user message before
+        the question; its features computed once, or shared as an open's are; past
+        ``max_images_per_session`` the turn is refused (TOO_MANY_IMAGES) and the session stays
+        as it was (docs/engine/sessions.md §Several images in a session).
 
         ``on_token(text, token_id)`` is called from the loop thread for every generated id as
         it is generated, with the text it adds (empty for special ids or a partial character);
@@ -308,6 +321,7 @@ class Engine:
         )
         question = self._check_question(question)
         _check_rewind(rewind_turns)
+        added = None if image is None else self._added_image(session_id, image)
         request = TurnRequest(
             self.context,
             self.config.turn_deadline_s,
@@ -317,6 +331,7 @@ class Engine:
             on_token,
             cancelled,
             rewind_turns,
+            added,
         )
         with self.store.asking(session_id):
             return self.loop.submit(request)
@@ -353,7 +368,7 @@ class Engine:
 
     def holds_image(self, image: KeyedImage) -> bool:
         """Whether the pool holds this image's features for its key's sessions."""
-        return image.key is not None and self.memory.holds_image(image.key)
+        return image.key is not None and self.memory.image_shape(image.key) is not None
 
     def free_bytes(self) -> int:
         """Device bytes an open could have now: the pool's free blocks and those that opens in
@@ -405,17 +420,27 @@ class Engine:
 
     def encode_image(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The vision tower (llava.model.vision): (image tokens, hidden). Every path calls it
-        so: an open (``_encoder``), the warm-up."""
+        so: an open's or a turn's image (``_encoder``), the warm-up."""
         return image_features(self.loaded.model, inputs, self.loaded.dtype)
 
     def _encoder(self, image: KeyedImage) -> Callable[[], torch.Tensor]:
         """The image's features when the loop finds the pool does not hold them. Preprocessed
         now, in the caller's thread, unless the pool holds them now: then only if they go
-        before the loop admits the open."""
+        before the loop admits the request."""
         if self.holds_image(image):
             return lambda: self.encode_image(self._pixels(image.image))
         pixels = self._pixels(image.image)
         return lambda: self.encode_image(pixels)
+
+    def _added_image(self, session_id: str, image: Image.Image | KeyedImage) -> AddedImage:
+        """A turn's image keyed for its session's tenant, counted and preprocessed here, in
+        the caller's thread (SessionNotFound: the session is gone)."""
+        if not isinstance(image, KeyedImage):
+            tenant = self.store.session(session_id).sharing.tenant
+            image = self.keyed_image(image, tenant)
+        loaded = self.loaded
+        tokens = image_tokens_of(image.image, loaded.processor, loaded.image_aspect_ratio)
+        return AddedImage(image.key, tokens, self._encoder(image))
 
     def _check_system(self, system) -> str:
         if system is None:

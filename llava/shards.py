@@ -171,8 +171,9 @@ class ShardedEngine:
         *,
         cancelled: Callable[[], bool] | None = None,
         rewind_turns: int = 0,
+        image=None,
     ) -> Answer:
-        """``Engine.ask`` on the session's shard."""
+        """``Engine.ask`` on the session's shard (which keys ``image`` for its tenant)."""
         index = self.shard_of(session_id)
         engine = self.shards[index]
         with self._running(index):
@@ -185,6 +186,7 @@ class ShardedEngine:
                 on_token,
                 cancelled=cancelled,
                 rewind_turns=rewind_turns,
+                image=image,
             )
 
     def close(self, session_id: str) -> str | None:

@@ -1,4 +1,4 @@
-"""The ``image`` of an open request from whatever the caller has."""
+"""The ``image`` of an open, or of a turn that adds one, from whatever the caller has."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 def image_source(image: Any) -> dict | None:
     """A URL (``http(s)://``) or ``s3://`` string is fetched by the container; bytes, a file
-    path or a PIL image travel inline (base64); ``None`` opens a text-only session."""
+    path or a PIL image travel inline (base64); ``None``: no image (an open's: a text-only
+    session)."""
     if image is None:
         return None
     if isinstance(image, str):

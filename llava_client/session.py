@@ -5,6 +5,7 @@
         print(chat.ask("What is in the picture?").text)
         for text in chat.ask_stream("Describe it in detail."):
             print(text, end="")
+        print(chat.ask("And this one?", image="https://example.com/dog.png").text)
 
 The session id is the one the endpoint issues (``NewSessionId``), or the caller's own
 (``client.open(image, session_id="ticket-4711")``, with a random part the server adds to an
@@ -15,8 +16,9 @@ jitter, at most ``busy_retries`` times (0: never); a turn whose worker died unde
 (``TURN_INTERRUPTED``) at most once of those. A session that is gone (its instance was
 replaced, it expired or was evicted) raises ``SessionGone`` saying how many turns went with it;
 with ``recover="replay"`` it is re-opened on the same image instead and its questions are asked
-again in order (hidden latency and cost: the answers are regenerated, identical under greedy
-decoding; ``replay_mismatches`` counts those that came out different).
+again in order, each with the image its turn sent (hidden latency and cost: the answers are
+regenerated, identical under greedy decoding; ``replay_mismatches`` counts those that came out
+different).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # What a session that is gone does (docs/client.md §The client (`llava_client/`)).
 RECOVERY = ("raise", "replay")
+# edit_last's default: the replaced turn's image goes again with the new question.
+SAME_IMAGE = object()
 
 
 @dataclass(frozen=True)
@@ -58,12 +62,23 @@ class Answer:
     reply: dict  # the container's whole reply: usage (cached/new tokens), timing, expiresAt
     metadata: dict  # boto3's ResponseMetadata: request id, HTTP headers
 
+    @property
+    def image_tokens(self) -> int | None:
+        """The image tokens this turn prefilled (0 unless it sent an image; None: not said)."""
+        return self.reply.get("usage", {}).get("imageTokens")
+
+    @property
+    def images(self) -> int | None:
+        """The images the session holds with this turn's (None: the reply did not say)."""
+        return self.reply.get("usage", {}).get("images")
+
 
 @dataclass(frozen=True)
 class Turn:
     question: str
     answer: str
     parameters: dict
+    image: dict | None = None  # the image source this turn sent (a replay sends it again)
 
 
 class LlavaClient:
@@ -77,7 +92,8 @@ class LlavaClient:
     stand-in records the waits instead).
 
     ``recover``: ``"raise"`` (the default) raises ``SessionGone`` when a session is gone;
-    ``"replay"`` re-opens it on its image and asks its questions again first."""
+    ``"replay"`` re-opens it on its image and asks its questions again first, each with the
+    image its turn sent."""
 
     def __init__(
         self,
@@ -202,7 +218,8 @@ class LlavaClient:
 
 
 class Session:
-    """A conversation about one image; not thread-safe (its turns are sequential anyway)."""
+    """A conversation about its open's image and any a turn sends; not thread-safe (its turns
+    are sequential anyway)."""
 
     def __init__(
         self,
@@ -226,12 +243,15 @@ class Session:
         self._image, self._system, self._tenant = image, system, tenant  # to re-open on recovery
         self._attached = attached  # opened elsewhere: its image is its opener's, never replayed
 
-    def ask(self, question: str, *, rewind_turns: int = 0, **parameters) -> Answer:
+    def ask(
+        self, question: str, *, image: Any = None, rewind_turns: int = 0, **parameters
+    ) -> Answer:
         """Ask and wait for the whole answer (``parameters``: max_new_tokens, temperature...).
+        ``image``: another image for the session, placed before this question (the forms
+        ``LlavaClient.open`` takes: URL, ``s3://``, bytes, file path, PIL image; at most the
+        server's ``max_images_per_session`` in a session, its open's included).
         ``rewind_turns``: drop the session's last N turns first (see ``edit_last``)."""
-        answer = self._recovering(lambda: self._ask_once(question, parameters, rewind_turns))
-        self._record(Turn(question, answer.text, parameters), rewind_turns, answer.reply)
-        return answer
+        return self._ask_source(question, image_source(image), rewind_turns, parameters)
 
     def regenerate(self, **parameters) -> Answer:
         """Answer the last question again, as if its first answer had never been given (with
@@ -241,19 +261,29 @@ class Session:
                 f"no question was asked through this object in session {self.id}: "
                 "use edit_last(question) to ask one in place of the session's last"
             )
-        return self.ask(self.history[-1].question, rewind_turns=1, **parameters)
+        last = self.history[-1]  # its image went with its turn: it is sent again
+        return self._ask_source(last.question, last.image, 1, parameters)
 
-    def edit_last(self, question: str, **parameters) -> Answer:
-        """Ask ``question`` in place of the last question: its turn is dropped first."""
-        return self.ask(question, rewind_turns=1, **parameters)
+    def edit_last(self, question: str, *, image: Any = SAME_IMAGE, **parameters) -> Answer:
+        """Ask ``question`` in place of the last question: its turn is dropped first, with any
+        image it sent; that image is sent again with ``question`` unless ``image`` says
+        another (``None``: none)."""
+        if image is not SAME_IMAGE:
+            return self.ask(question, image=image, rewind_turns=1, **parameters)
+        last = self.history[-1].image if self.history else None
+        return self._ask_source(question, last, 1, parameters)
 
-    def ask_stream(self, question: str, *, rewind_turns: int = 0, **parameters) -> Iterator[str]:
-        """Ask and yield the answer's text as it arrives (InvokeEndpointWithResponseStream).
+    def ask_stream(
+        self, question: str, *, image: Any = None, rewind_turns: int = 0, **parameters
+    ) -> Iterator[str]:
+        """Ask and yield the answer's text as it arrives (InvokeEndpointWithResponseStream);
+        ``image`` as ``ask`` takes it.
 
         Lines lost on the way (their numbers skip) raise ``StreamGap`` once the stream ends:
         nothing after the gap is yielded, and the error carries the whole answer, which the
         session holds like any other."""
-        body = _ask_body(question, parameters, rewind_turns) | {"stream": True}
+        source = image_source(image)
+        body = _ask_body(question, parameters, rewind_turns, source) | {"stream": True}
         events = self._recovering(lambda: self.client._stream(body, self._live_id()))
         lines, final, received, gap = JsonLines(), None, 0, None
         try:
@@ -273,7 +303,7 @@ class Session:
         if final is None:
             raise LlavaError("STREAM_INCOMPLETE", "the stream ended without the final reply")
         text = final["generation"]["text"]
-        self._record(Turn(question, text, parameters), rewind_turns, final)
+        self._record(Turn(question, text, parameters, source), rewind_turns, final)
         if gap is not None:
             raise StreamGap(f"{gap}; the text yielded stops there, this error's is whole", text)
 
@@ -291,8 +321,24 @@ class Session:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _ask_once(self, question: str, parameters: dict, rewind_turns: int = 0) -> Answer:
-        body = _ask_body(question, parameters, rewind_turns)
+    def _ask_source(
+        self, question: str, source: dict | None, rewind_turns: int, parameters: dict
+    ) -> Answer:
+        """``ask`` with an image source already made (a recorded turn's)."""
+        answer = self._recovering(
+            lambda: self._ask_once(question, parameters, rewind_turns, source)
+        )
+        self._record(Turn(question, answer.text, parameters, source), rewind_turns, answer.reply)
+        return answer
+
+    def _ask_once(
+        self,
+        question: str,
+        parameters: dict,
+        rewind_turns: int = 0,
+        image: dict | None = None,
+    ) -> Answer:
+        body = _ask_body(question, parameters, rewind_turns, image)
         reply = self.client._invoke(body, self._live_id())
         payload = json.loads(reply["Body"].read())
         return Answer(payload["generation"]["text"], payload, reply["ResponseMetadata"])
@@ -343,16 +389,20 @@ class Session:
             self._image, system=self._system, tenant=self._tenant
         )
         replayed = []
-        for turn in self.history:
-            answer = self._ask_once(turn.question, turn.parameters)
+        for turn in self.history:  # each with the image its turn sent
+            answer = self._ask_once(turn.question, turn.parameters, image=turn.image)
             self.replay_mismatches += answer.text != turn.answer
-            replayed.append(Turn(turn.question, answer.text, turn.parameters))
+            replayed.append(Turn(turn.question, answer.text, turn.parameters, turn.image))
         self.history, self.turns = replayed, len(replayed)  # what the new session now holds
         self.recoveries += 1
 
 
-def _ask_body(question: str, parameters: dict, rewind_turns: int = 0) -> dict:
+def _ask_body(
+    question: str, parameters: dict, rewind_turns: int = 0, image: dict | None = None
+) -> dict:
     body = {"requestType": SESSION, "inputs": question}
+    if image is not None:
+        body["image"] = image
     if parameters:
         body["parameters"] = parameters
     if rewind_turns:

@@ -117,6 +117,9 @@ def problems(result: dict) -> list[str]:
     for kind in ("stateful", "stateless"):
         if len(ttft[kind]) != len(result["expected"]) or not all(ms > 0 for ms in ttft[kind]):
             found.append(f"{kind} TTFT per turn missing: {ttft}")
+    second = result.get("second_image") or {}
+    if second.get("images") != 2 or not (second.get("image_tokens") or 0) > 0:
+        found.append(f"the second image's turn did not add it to the session: {second}")
     if not {"deploy", "clean up"} <= set(result["durations_s"]):
         found.append(f"step durations missing: {result['durations_s']}")
     if not (result["closed"] and result["cleaned_up"]):

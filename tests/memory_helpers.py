@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from llava.kv.budget import MemoryBudget
+from llava.kv.holding import NewImage
 from llava.kv.memory import MemoryManager
 from llava.kv.pool import KVPool
 from llava.sessions.session import Session
@@ -53,8 +54,10 @@ def make_session(
 ) -> Session:
     """An opened session (not yet in a store: its holding is pinned until added)."""
     holding = memory.hold()
-    features = torch.full((feature_rows, FEATURE_HIDDEN), value) if feature_rows else None
-    assert memory.start(holding, tokens, features=features) is None
+    image = None
+    if feature_rows:
+        image = NewImage(None, torch.full((feature_rows, FEATURE_HIDDEN), value))
+    assert memory.start(holding, tokens, image=image) is None
     session = Session(session_id or new_session_id(), list(range(tokens)), holding)
     write(memory, session, tokens, value)
     return session

@@ -16,8 +16,11 @@ from collections import OrderedDict
 import torch
 
 from llava.kv.budget import blocks_for
+from llava.kv.holding import HeldImage, NewImage
 from llava.kv.pool import KVPool
 from llava.kv.prefix import feature_keys
+
+Shared = tuple[list[int], tuple[int, int]]  # an image's feature blocks and shape
 
 
 class FeatureStore:
@@ -41,7 +44,11 @@ class FeatureStore:
             return None
         return blocks
 
-    def share(self, image_key: bytes) -> tuple[list[int], tuple[int, int]] | None:
+    def shape(self, image_key: bytes) -> tuple[int, int] | None:
+        """The shape of an image's features, if all their blocks are still in the pool."""
+        return None if self.find(image_key) is None else self._shapes[image_key]
+
+    def share(self, image_key: bytes) -> Shared | None:
         """A new reference to an image's features, if the pool holds them (referenced or
         reclaimable): their blocks and shape."""
         blocks = self.find(image_key)
@@ -52,9 +59,7 @@ class FeatureStore:
         self._shapes.move_to_end(image_key)
         return blocks, self._shapes[image_key]
 
-    def store(
-        self, image_key: bytes | None, features: torch.Tensor
-    ) -> tuple[list[int], tuple[int, int]]:
+    def store(self, image_key: bytes | None, features: torch.Tensor) -> Shared:
         """Features in new pool blocks, published under ``image_key`` (None: not shared)."""
         pool = self.pool
         count = self.blocks_for(features)
@@ -72,6 +77,25 @@ class FeatureStore:
             while len(self._shapes) > pool.total_blocks:  # more than could be held
                 self._shapes.popitem(last=False)
         return blocks, shape
+
+    def share_new(self, image: NewImage | None) -> Shared | None:
+        """A new reference to a new image's features, where the pool holds them: taken before
+        any room is made for the rest, so that making it cannot reclaim them."""
+        if image is None or image.key is None:
+            return None
+        shared = self.share(image.key)
+        if shared is None and image.features is None:
+            raise ValueError("a new image's features must be given when the pool lacks them")
+        return shared
+
+    def to_store(self, image: NewImage | None) -> int:
+        """The blocks a new image's features take when they are not shared."""
+        return 0 if image is None or image.features is None else self.blocks_for(image.features)
+
+    def held(self, image: NewImage, shared: Shared | None) -> HeldImage:
+        """The new image as a holding holds it: on its shared blocks, or stored now."""
+        blocks, shape = shared if shared is not None else self.store(image.key, image.features)
+        return HeldImage(image.key, shape, blocks)
 
     def let_go(self, blocks: list[int]) -> None:
         """One holding's references go (a block no one references is free, and stays findable

@@ -1,11 +1,11 @@
 """What one session holds, read by everyone and changed only by the memory manager
-(llava.kv.memory): its device KV, its host copy, its image features' blocks, and the tier
+(llava.kv.memory): its device KV, its host copy, its images' features' blocks, and the tier
 those make."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,17 +28,38 @@ class HostKV:
     nbytes: int
 
 
+@dataclass(eq=False)
+class HeldImage:
+    """One image of a session: its features' shape and the pool blocks holding them (none:
+    parked, the persistent tier keeps them)."""
+
+    key: bytes | None  # its content key, under which features and prefix are shared; None: not
+    shape: tuple[int, int]  # (image tokens, hidden)
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[0]
+
+
+@dataclass(frozen=True)
+class NewImage:
+    """An image a reservation adds to a holding: shared from the pool under ``key`` when it
+    holds the features, else ``features`` are stored."""
+
+    key: bytes | None
+    features: torch.Tensor | None = None  # (image tokens, hidden); None: the pool holds them
+
+
 class Holding:
     """What one session (or an opening in progress) holds. Read-only outside the manager."""
 
-    def __init__(self, image_key: bytes | None = None):
+    def __init__(self):
         self.label: str | None = None  # the session id, once the store adopts it
-        self.image_key = image_key  # its image's content key; None: not shared (or no image)
         self.kv: SessionKV | None = None
         self.host: HostKV | None = None
         self.block_keys: list[bytes] = []  # content keys of its KV's first full blocks
-        self.feature_blocks: list[int] = []
-        self.feature_shape: tuple[int, int] | None = None
+        self.images: list[HeldImage] = []  # in the order the conversation shows them
         self.pinned = True  # in a turn (or an opening): never moved by anyone else
         self.evicted = False
         self.persisted = False  # the persistent tier holds its features and history
@@ -54,11 +75,16 @@ class Holding:
     @property
     def parked(self) -> bool:
         """It has an image whose features are in no pool block (read back on its next turn)."""
-        return self.feature_shape is not None and not self.feature_blocks
+        return any(not image.blocks for image in self.images)
 
     @property
     def image_tokens(self) -> int:
-        return 0 if self.feature_shape is None else self.feature_shape[0]
+        return sum(image.tokens for image in self.images)
+
+    @property
+    def feature_blocks(self) -> list[int]:
+        """The pool blocks of every image's features (an image held twice: listed twice)."""
+        return [block for image in self.images for block in image.blocks]
 
     @property
     def device_blocks(self) -> list[int]:

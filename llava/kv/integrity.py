@@ -42,9 +42,10 @@ def walk(pool: KVPool, holdings: Iterable[Holding], idle: Collection[Holding]) -
     for holding in holdings:
         require(not holding.evicted, "an evicted holding is still held")
         require(holding.kv is None or holding.host is None, "KV on device and host")
-        blocks = holding.device_blocks
-        require(len(set(blocks)) == len(blocks), "a holding lists a block twice")
-        for block in blocks:
+        kv_blocks = [] if holding.kv is None else holding.kv.blocks
+        require(len(set(kv_blocks)) == len(kv_blocks), "a KV lists a block twice")
+        require(not set(kv_blocks) & set(holding.feature_blocks), "a block is KV and features")
+        for block in holding.device_blocks:
             references[block] = references.get(block, 0) + 1
         features.update(holding.feature_blocks)
         if holding.kv is not None:

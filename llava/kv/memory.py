@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -26,8 +26,8 @@ import torch
 from llava.counters import Counters
 from llava.errors import NoCapacity, log_id
 from llava.kv.budget import MemoryBudget, blocks_for
-from llava.kv.features import FeatureStore
-from llava.kv.holding import Holding, Tier
+from llava.kv.features import FeatureStore, Shared
+from llava.kv.holding import HeldImage, Holding, NewImage, Tier
 from llava.kv.host_tier import HostTier
 from llava.kv.integrity import require, walk
 from llava.kv.pool import KVPool, SessionKV
@@ -82,22 +82,19 @@ class MemoryManager:
         self._counters = MemoryCounters()
 
     # -- a holding's life ------------------------------------------------------------------
-    def hold(self, image_key: bytes | None = None) -> Holding:
-        """A new, empty, pinned holding (an opening's); ``adopt`` or ``release`` it.
-        ``image_key``: its image's content key, under which its features and prefix are
-        shared (None: nothing shared)."""
-        holding = Holding(image_key)
+    def hold(self) -> Holding:
+        """A new, empty, pinned holding (an opening's); ``adopt`` or ``release`` it."""
+        holding = Holding()
         with self._lock:
             self._holdings.add(holding)
         return holding
 
-    def hold_parked(
-        self, feature_shape: tuple[int, int] | None, image_key: bytes | None = None
-    ) -> Holding:
+    def hold_parked(self, images: Sequence[tuple[bytes | None, tuple[int, int]]]) -> Holding:
         """A new pinned holding of a session adopted from the persistent tier: parked
-        (nothing in memory; tier FEATURES without an image); its next turn brings it back."""
-        holding = self.hold(image_key)
-        holding.feature_shape = feature_shape
+        (nothing in memory; tier FEATURES without an image); its next turn brings it back.
+        ``images``: each image's content key (None: not shared) and features' shape."""
+        holding = self.hold()
+        holding.images = [HeldImage(key, shape) for key, shape in images]
         holding.persisted = True
         return holding
 
@@ -106,23 +103,31 @@ class MemoryManager:
         with self._lock:
             holding.persisted = persisted
 
-    def holds_image(self, image_key: bytes) -> bool:
-        """Whether the features of the image with this content key are in the pool."""
+    def image_shape(self, image_key: bytes) -> tuple[int, int] | None:
+        """The shape of the features of the image with this content key, if the pool holds
+        them (None: it does not)."""
         with self._lock:
-            return self._features.find(image_key) is not None
+            return self._features.shape(image_key)
 
     def share_features(self, holding: Holding) -> bool:
-        """Give a holding without features those of its image, if the pool holds them
-        (referenced or reclaimable): True if it now has them, nothing computed or copied."""
-        key = holding.image_key
-        with self._lock:
-            found = None if key is None or holding.feature_blocks else self._features.share(key)
-            if found is None:
-                return False
-            with self._retiering(holding):  # a parked one is parked no more
-                holding.feature_blocks, holding.feature_shape = found
-            self._count(feature_hits=1)
-            return True
+        """Give a parked holding's images the features the pool holds for them (referenced or
+        reclaimable), nothing computed or copied: True if none is parked now."""
+        with self._lock, self._retiering(holding):  # a parked one may be parked no more
+            for image in holding.images:
+                if not image.blocks and image.key is not None:
+                    found = self._features.share(image.key)
+                    if found is not None:
+                        image.blocks = found[0]
+                        self._count(feature_hits=1)
+            return not holding.parked
+
+    def drop_images(self, holding: Holding, images: Sequence[HeldImage]) -> None:
+        """The session holds these images no more (a failed turn's new one, or those of the
+        turns a rewind dropped): their features' references go."""
+        with self._lock, self._retiering(holding):
+            for image in images:
+                self._features.let_go(image.blocks)
+                holding.images.remove(image)
 
     def adopt(self, holding: Holding, label: str) -> None:
         """The store took it as session ``label``: counted, and movable once unpinned."""
@@ -184,33 +189,47 @@ class MemoryManager:
         with self._lock:
             if holding.kv is not None or holding.host is None:
                 raise ValueError("only a host copy is restored")
-            return self._start(holding, holding.host.length, holding.block_keys, None, may_drop)
+            return self._start(holding, holding.host.length, holding.block_keys, (), None, may_drop)
 
     def start(
         self,
         holding: Holding,
         tokens: int,
         prefix: list[bytes] = (),
-        features: torch.Tensor | None = None,
+        features: Sequence[torch.Tensor | None] = (),
+        image: NewImage | None = None,
         may_drop: bool = True,
     ) -> Shortfall | None:
         """A new device KV with room for ``tokens`` tokens, on the longest published run of
         ``prefix`` (the content keys of the ids it will hold; ``holding.kv.length`` says how
-        much), with ``features`` stored too (a parked holding's must be given)."""
+        much). ``features``: those of its images, one per image, stored for every parked one
+        (a parked image's must be given); ``image``: a new image it holds from now on."""
         with self._lock:
             if holding.kv is not None or holding.host is not None:
                 raise ValueError("a holding with KV grows or is restored; it does not start")
-            return self._start(holding, tokens, list(prefix), features, may_drop)
+            return self._start(holding, tokens, list(prefix), features, image, may_drop)
 
-    def grow(self, holding: Holding, extra_tokens: int, may_drop: bool = True) -> Shortfall | None:
-        """Room for ``extra_tokens`` more tokens in its device KV."""
+    def grow(
+        self,
+        holding: Holding,
+        extra_tokens: int,
+        image: NewImage | None = None,
+        may_drop: bool = True,
+    ) -> Shortfall | None:
+        """Room for ``extra_tokens`` more tokens in its device KV; ``image``: a new image it
+        holds from now on."""
         with self._lock:
             kv = holding.kv
-            needed = self.pool.blocks_needed(kv, extra_tokens)
-            shortfall = self._room_for(holding, None, needed, kv.length + extra_tokens, may_drop)
-            if shortfall is None:
-                kv.reserve(extra_tokens)
-            return shortfall
+            shared = self._features.share_new(image)
+            needed = self.pool.blocks_needed(kv, extra_tokens) + self._features.to_store(image)
+            total = kv.length + extra_tokens
+            shortfall = self._room_for(holding, None, needed, total, may_drop, shared)
+            if shortfall is not None:
+                return shortfall
+            kv.reserve(extra_tokens)
+            with self._retiering(holding):
+                self._add_new(holding, image, shared)
+            return None
 
     def publish(self, holding: Holding, keys: list[bytes]) -> None:
         """Its full blocks become reusable under ``keys``, their content keys as committed
@@ -222,12 +241,17 @@ class MemoryManager:
                 self.pool.publish(kv.blocks[index], keys[index])
             holding.block_keys = list(keys[:full])
 
-    def features(self, holding: Holding) -> torch.Tensor | None:
-        """The session's image features, read out of their blocks (a temporary tensor)."""
+    def features(
+        self, holding: Holding, images: Sequence[HeldImage] | None = None
+    ) -> torch.Tensor | None:
+        """The features of ``images`` (default: all of the session's), one after the other,
+        read out of their blocks (a temporary tensor); None without any image."""
         with self._lock:
-            if holding.feature_shape is None:
+            images = holding.images if images is None else images
+            if not images:
                 return None
-            return self._features.read(holding.feature_blocks, holding.feature_shape)
+            parts = [self._features.read(image.blocks, image.shape) for image in images]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def crop(self, holding: Holding, length: int) -> int:
         """Keep the first ``length`` KV tokens; whole blocks past them go back to the pool.
@@ -316,48 +340,73 @@ class MemoryManager:
         holding: Holding,
         total: int,
         prefix: list[bytes],
-        features: torch.Tensor | None,
+        features: Sequence[torch.Tensor | None],
+        image: NewImage | None,
         may_drop: bool,
     ) -> Shortfall | None:
         # shared blocks are taken first, so the room made for the rest cannot reclaim them
+        if holding.parked and len(features) != len(holding.images):
+            raise ValueError("a parked session's features must come back with it")
+        parked = [(held, features[i]) for i, held in enumerate(holding.images) if not held.blocks]
+        if any(f is None for _, f in parked):
+            raise ValueError("a parked session's features must come back with it")
+        shared = self._features.share_new(image)
         kv = self.pool.new_kv()
         kv.attach(self.pool.match(prefix))
         needed = blocks_for(total, self.pool.block_tokens) - len(kv.blocks)
-        if features is not None and not holding.feature_blocks:
-            needed += self._features.blocks_for(features)
-        elif holding.parked:
-            raise ValueError("a parked session's features must come back with it")
-        else:
-            features = None
-        shortfall = self._room_for(holding, kv, needed, total, may_drop)
+        needed += sum(self._features.blocks_for(f) for _, f in parked)
+        needed += self._features.to_store(image)
+        shortfall = self._room_for(holding, kv, needed, total, may_drop, shared)
         if shortfall is not None:
             return shortfall
         with self._retiering(holding):
-            if features is not None:
-                found = self._features.store(holding.image_key, features)
-                holding.feature_blocks, holding.feature_shape = found
+            for held, f in parked:
+                held.blocks = self._features.store(held.key, f)[0]
+            self._add_new(holding, image, shared)
             self._start_kv(holding, kv, total, prefix)
         return None
 
     def _room_for(
-        self, holding: Holding, new_kv: SessionKV | None, needed: int, total: int, may_drop: bool
+        self,
+        holding: Holding,
+        new_kv: SessionKV | None,
+        needed: int,
+        total: int,
+        may_drop: bool,
+        shared: Shared | None = None,
     ) -> Shortfall | None:
         """Make room for ``needed`` more blocks (``_make_room``); on a Shortfall, or when the
-        whole pool never could (NoCapacity, raised), ``new_kv``'s shared blocks go back."""
+        whole pool never could (NoCapacity, raised), ``new_kv``'s shared blocks and the
+        ``shared`` reference of a new image (FeatureStore.share_new) go back."""
         held = len(holding.device_blocks) + (0 if new_kv is None else len(new_kv.blocks))
-        if needed + held > self.pool.total_blocks:
-            if new_kv is not None:
-                new_kv.free()
-            raise NoCapacity(
-                f"this session needs {total} tokens of KV and its image, "
-                "more than the server's whole device memory for sessions holds "
-                f"({self.pool.total_blocks * self.pool.block_tokens} tokens); "
-                "lower max_new_tokens or open a new session"
-            )
-        shortfall = self._make_room(needed, may_drop)
-        if shortfall is not None and new_kv is not None:
-            new_kv.free()
+        try:
+            if needed + held > self.pool.total_blocks:
+                raise NoCapacity(
+                    f"this session needs {total} tokens of KV and its images, "
+                    "more than the server's whole device memory for sessions holds "
+                    f"({self.pool.total_blocks * self.pool.block_tokens} tokens); "
+                    "lower max_new_tokens or open a new session"
+                )
+            shortfall = self._make_room(needed, may_drop)
+        except BaseException:
+            self._give_back_new(new_kv, shared)
+            raise
+        if shortfall is not None:
+            self._give_back_new(new_kv, shared)
         return shortfall
+
+    def _add_new(self, holding: Holding, image: NewImage | None, shared: Shared | None) -> None:
+        """The new image joins the holding, on its shared blocks or stored now."""
+        if image is not None:
+            holding.images.append(self._features.held(image, shared))
+            if shared is not None:
+                self._count(feature_hits=1)
+
+    def _give_back_new(self, new_kv: SessionKV | None, shared: Shared | None) -> None:
+        if new_kv is not None:
+            new_kv.free()
+        if shared is not None:
+            self._features.let_go(shared[0])
 
     def _movable(self, idle: list[Holding]) -> int:
         """Blocks that moving every idle holding off the device would free: those that only
@@ -470,8 +519,9 @@ class MemoryManager:
         self._count(evicted=1)
 
     def _drop_features(self, holding: Holding) -> None:
-        self._features.let_go(holding.feature_blocks)
-        holding.feature_blocks = []
+        for image in holding.images:
+            self._features.let_go(image.blocks)
+            image.blocks = []
 
     @staticmethod
     def _drop_kv(holding: Holding) -> None:

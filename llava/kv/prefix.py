@@ -1,8 +1,9 @@
 """Content keys of KV blocks, and the index of blocks that hold a known prefix.
 
 A full block's key is a SHA-256 chained over everything its KV depends on: the key of the
-block before it, its token ids and, when it holds image tokens, the image's content key (a
-hash of the decoded pixels and of everything that changes its features: never a URL). Two
+block before it, its token ids and, when it holds image tokens, the content key of each image
+they belong to (a hash of the decoded pixels and of everything that changes its features:
+never a URL). Two
 blocks with one key hold the same KV, so a session whose prompt starts with another's full
 blocks reuses them read-only instead of computing them (docs/engine/memory.md §Shared prefixes).
 
@@ -18,7 +19,9 @@ written again; when no session references it any more it stays indexed, in least
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,7 +40,7 @@ def scoped(key: bytes, tenant: str | None) -> bytes:
 def block_keys(
     ids: Sequence[int],
     block_tokens: int,
-    image_key: bytes | None,
+    images: Sequence[tuple[bytes | None, int]],
     image_token_id: int,
     known: Sequence[bytes] = (),
     *,
@@ -45,23 +48,34 @@ def block_keys(
     own_from: int | None = None,
     own_salt: bytes = b"",
 ) -> list[bytes]:
-    """The keys of every full block of ``ids``; ``known``: those of its first blocks, already
-    computed (a session's keys grow with its history). Every key is salted with ``tenant``;
-    blocks from index ``own_from`` on (None: none) with ``own_salt`` too, the session's own
-    secret, so that no other session finds them."""
+    """The keys of every full block of ``ids``; ``images``: the content key and image-token
+    count of each image ``ids`` holds, in order; ``known``: the keys of its first blocks,
+    already computed (a session's keys grow with its history). Every key is salted with
+    ``tenant``; blocks from index ``own_from`` on (None: none) with ``own_salt`` too, the
+    session's own secret, so that no other session finds them."""
     if own_from is not None and not own_salt:
         raise ValueError("a session's own blocks need its own salt, or anyone finds them")
     keys = list(known)
     packed = struct.Struct(f"<{block_tokens}q")
     root = scoped(_ROOT, tenant)
-    for start in range(len(keys) * block_tokens, len(ids) - block_tokens + 1, block_tokens):
+    first = len(keys) * block_tokens
+    image_ends = list(itertools.accumulate(tokens for _, tokens in images))
+    seen = ids[:first].count(image_token_id)  # image tokens before the first new block
+    for start in range(first, len(ids) - block_tokens + 1, block_tokens):
         chunk = ids[start : start + block_tokens]
         digest = hashlib.sha256(keys[-1] if keys else root)
         digest.update(packed.pack(*chunk))
-        if image_token_id in chunk:
-            if image_key is None:  # every image token's KV depends on which image it was
-                raise ValueError("image tokens in a prefix without the image's content key")
-            digest.update(image_key)
+        count = chunk.count(image_token_id)
+        if count:  # every image token's KV depends on which image it was
+            first_image = bisect.bisect_right(image_ends, seen)
+            last_image = bisect.bisect_right(image_ends, seen + count - 1)
+            if last_image >= len(images):
+                raise ValueError("more image tokens in a prefix than its images hold")
+            for key, _ in images[first_image : last_image + 1]:
+                if key is None:
+                    raise ValueError("image tokens in a prefix without the image's content key")
+                digest.update(key)
+            seen += count
         if own_from is not None and len(keys) >= own_from:
             digest.update(own_salt)
         keys.append(digest.digest())

@@ -14,6 +14,7 @@ the template itself writes control tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llava.kv.prefix import common_prefix_length
@@ -45,10 +46,22 @@ def without_last_turns(messages: list[dict], turns: int) -> list[dict]:
     return messages[: starts[-turns]]
 
 
-def user_message(text: str, with_image: bool = False) -> dict:
-    content = [{"type": "image"}] if with_image else []
+def user_message(text: str, images: int = 0) -> dict:
+    """A question, after its ``images`` (as the checkpoint's template places an image in a
+    user message: before the text)."""
+    content = [{"type": "image"} for _ in range(images)]
     content.append({"type": "text", "text": text})
     return {"role": "user", "content": content}
+
+
+def images_shown(messages: list[dict]) -> int:
+    """How many images the messages show."""
+    return sum(
+        part.get("type") == "image"
+        for message in messages
+        if isinstance(message["content"], list)
+        for part in message["content"]
+    )
 
 
 def assistant_message(text: str) -> dict:
@@ -72,8 +85,10 @@ class ChatPrompt:
             messages, tokenize=False, add_generation_prompt=True
         )
 
-    def ids(self, messages: list[dict], image_tokens: int = 0) -> list[int]:
-        """The canonical prompt ids of ``messages``, ready for the assistant's answer."""
+    def ids(self, messages: list[dict], image_tokens: int | Sequence[int] = 0) -> list[int]:
+        """The canonical prompt ids of ``messages``, ready for the assistant's answer;
+        ``image_tokens``: each image's token count, in the order the messages show them (one
+        count: every image's)."""
         tokenizer = self.tokenizer
         ids = tokenizer.apply_chat_template(
             messages,
@@ -88,14 +103,19 @@ class ChatPrompt:
             ids = tokenizer("").input_ids + ids
         return self._expand_images(ids, image_tokens)
 
-    def _expand_images(self, ids: list[int], image_tokens: int) -> list[int]:
+    def _expand_images(self, ids: list[int], image_tokens: int | Sequence[int]) -> list[int]:
         """One ``<image>`` id per image feature, as the processor expands it."""
         image_id = self.image_token_id
-        if image_id not in ids:
+        shown = ids.count(image_id)
+        if not shown:
             return ids
+        counts = [image_tokens] * shown if isinstance(image_tokens, int) else list(image_tokens)
+        if len(counts) != shown:
+            raise ValueError(f"the prompt shows {shown} images, {len(counts)} were counted")
         out: list[int] = []
+        images = iter(counts)
         for token in ids:
-            out.extend([token] * image_tokens if token == image_id else [token])
+            out.extend([token] * next(images) if token == image_id else [token])
         return out
 
     def opening_ids(
@@ -124,17 +144,17 @@ class ChatPrompt:
         Otherwise every turn would re-prefill from where the template rewrote the past: such a
         template gains nothing from a session's KV cache, so it is refused at load time.
         """
-        for with_image in (True, False):
-            first = [user_message(_PROBE_QUESTIONS[0], with_image)]
+        # (images in the first question, in the follow-up): a later image must append too
+        for first_images, next_images in ((1, 0), (0, 0), (1, 1)):
+            first = [user_message(_PROBE_QUESTIONS[0], first_images)]
             before = self.ids(first, image_tokens=2)
-            after = self.ids(
-                [*first, assistant_message(_PROBE_ANSWER), user_message(_PROBE_QUESTIONS[1])],
-                image_tokens=2,
-            )
+            follow_up = user_message(_PROBE_QUESTIONS[1], next_images)
+            after = self.ids([*first, assistant_message(_PROBE_ANSWER), follow_up], image_tokens=2)
             if after[: len(before)] != before:
                 raise ValueError(
                     "chat template is not append-only in tokens: a new turn rewrites the "
-                    f"earlier prompt ({'with' if with_image else 'without'} an image)"
+                    f"earlier prompt ({'with' if first_images else 'without'} an image"
+                    f"{', and one in the new turn' if next_images else ''})"
                 )
-            if not self.opening_ids(with_image, image_tokens=2):
+            if not self.opening_ids(bool(first_images), image_tokens=2):
                 raise ValueError("chat template renders no common opening before the question")

@@ -47,6 +47,13 @@ def image_tokens(processor, width: int, height: int) -> int:
     return counted.num_image_tokens[0]
 
 
+def image_tokens_of(image: Image.Image, processor, aspect_mode: str | None) -> int:
+    """How many image tokens the checkpoint's processor puts in the prompt for ``image``, as
+    ``vision_inputs`` prepares it: known before its features are computed."""
+    prepared = prepare_image(image, aspect_mode, processor.image_processor)
+    return image_tokens(processor, prepared.width, prepared.height)
+
+
 def most_image_tokens(processor) -> int:
     """The largest image-token count any image gets: an image of a pinpoint's exact size is
     tiled with no padding to drop (NeXT); LLaVA-1.5's count is the same for every image."""

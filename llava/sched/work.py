@@ -27,6 +27,7 @@ from llava.kv.memory import Shortfall
 from llava.model.prompt import (
     ChatPrompt,
     assistant_message,
+    images_shown,
     opening_messages,
     questions_asked,
     user_message,
@@ -35,7 +36,7 @@ from llava.model.prompt import (
 from llava.sampling.chooser import Chooser
 from llava.sampling.detokenizer import Detokenizer
 from llava.sampling.params import GenerationParams
-from llava.sessions.lease import Leases, OpeningLease, TurnLease
+from llava.sessions.lease import AddedImage, Leases, OpeningLease, TurnLease, TurnPrompt
 from llava.sessions.session import Session
 
 
@@ -52,6 +53,7 @@ class RequestContext:
     image_token_id: int
     max_positions: int
     max_session_tokens: int | None = None  # EngineConfig.max_session_tokens; None: no limit
+    max_images: int | None = None  # EngineConfig.max_images_per_session; None: no limit
 
     def feed(self, lease, held: list[int], pending: list[int]) -> Feed:
         """A feed of ``pending`` ids after the ``held`` ones the lease's KV holds. The image
@@ -73,6 +75,16 @@ class RequestContext:
                 f"the conversation would reach {needed} tokens, past {whose} {limit}; lower "
                 "max_new_tokens or open a new session",
                 code="CONVERSATION_TOO_LONG",
+            )
+
+    def check_images(self, images: int) -> None:
+        """Refuse a turn that would make its session hold more than ``max_images``."""
+        if self.max_images is not None and images > self.max_images:
+            raise InvalidRequest(
+                f"this image would make {images} in the session; a session holds at most "
+                f"max_images_per_session ({self.max_images}): open a new session for it, or "
+                "rewind past a turn that brought one",
+                code="TOO_MANY_IMAGES",
             )
 
 
@@ -100,6 +112,8 @@ class Answer:
     cached_tokens: int  # reused from the session's KV cache
     tier: Tier  # the session's tier when the turn started
     turns: int  # the session's turns with this one (fewer than before after a rewind)
+    image_tokens: int  # image tokens among the new tokens (the image it brought, or more)
+    images: int  # the session's images with this turn's
     ttft_s: float  # from the ask to its first token
     total_s: float
     expires_at: datetime
@@ -245,10 +259,13 @@ class TurnRequest(_Request):
         on_token: Callable[[str, int | None], None] | None,
         cancelled: Callable[[], bool] | None,
         rewind_turns: int = 0,
+        image: AddedImage | None = None,
     ):
+        """``image``: one the turn brings, shown in its user message before the question."""
         super().__init__(context, deadline_s)
         self.order_key = session_id
         self.question = question
+        self.image = image
         self.rewind_turns = rewind_turns
         self.params = params
         self.on_token = on_token
@@ -257,7 +274,9 @@ class TurnRequest(_Request):
         self.chooser = Chooser(params, context.eos_token_ids)
         self.detokenizer = Detokenizer(context.tokenizer)
         self.first_token_at: float | None = None
-        self.lease: TurnLease = context.leases.turn(session_id, self._render, params.max_new_tokens)
+        self.lease: TurnLease = context.leases.turn(
+            session_id, self._render, params.max_new_tokens, image
+        )
 
     @property
     def prefilling(self) -> bool:
@@ -272,18 +291,26 @@ class TurnRequest(_Request):
         self.feed = self.context.feed(lease, prompt[:reused], prompt[reused:])
         return None
 
-    def _render(self, session: Session) -> list[int]:
+    def _render(self, session: Session) -> TurnPrompt:
         """This turn's prompt: the session's conversation (less the turns it rewinds) and the
-        question, in the checkpoint's canonical tokenization; refused if too long."""
+        question after the images its message shows (the open's, on a first question, then
+        the turn's own), in the checkpoint's canonical tokenization; refused if too long or
+        past the session's images."""
         if self.tier is None:
             self.tier = session.tier
         kept = self._kept_messages(session)
-        image_tokens = session.image_tokens
-        first_has_image = image_tokens > 0 and not questions_asked(kept)
-        self.messages = [*kept, user_message(self.question, first_has_image)]
-        prompt = self.context.prompt.ids(self.messages, image_tokens)
+        first = not questions_asked(kept)
+        kept_images = session.opening_images if first else images_shown(kept)
+        new = int(self.image is not None)
+        if new:
+            self.context.check_images(kept_images + new)
+        shown = (session.opening_images if first else 0) + new
+        self.messages = [*kept, user_message(self.question, shown)]
+        counts = [image.tokens for image in session.holding.images[:kept_images]]
+        counts += [self.image.tokens] if new else []
+        prompt = self.context.prompt.ids(self.messages, counts)
         self.context.check_length(len(prompt) + self.params.max_new_tokens)
-        return prompt
+        return TurnPrompt(prompt, kept_images)
 
     def _kept_messages(self, session: Session) -> list[dict]:
         """The conversation this turn follows: the session's, less the turns it rewinds. Their
@@ -344,6 +371,8 @@ class TurnRequest(_Request):
                 cached_tokens=lease.reused,
                 tier=self.tier,
                 turns=turns,
+                image_tokens=lease.ids[lease.reused :].count(self.context.image_token_id),
+                images=committed.images,
                 ttft_s=(self.first_token_at or now) - self.arrived,
                 total_s=now - self.arrived,
                 expires_at=committed.expires_at,  # the turn restarted the idle clock

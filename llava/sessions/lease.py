@@ -11,19 +11,22 @@ now; the request may try again (``take`` is repeatable until it succeeds).
 
 An opening's lease is a session not yet in the store: its image's features are shared if the
 pool holds them, else computed (the caller's ``encode``, once, kept across a wait for room);
-its commit adds the session. Either way the commit publishes the KV for the sessions its
+its commit adds the session. A turn may bring an image too (``AddedImage``), taken the same way
+and held from then on; a turn's commit lets go of the images of the turns it rewound, its
+abort of the image it brought. Either way the commit publishes the KV for the sessions its
 sharing allows and writes the persistent tier before the reply goes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import NamedTuple
 
 import torch
 
-from llava.kv.holding import Holding, Tier
+from llava.kv.holding import HeldImage, Holding, NewImage, Tier
 from llava.kv.memory import MemoryManager, Shortfall
 from llava.kv.pool import SessionKV
 from llava.kv.prefix import block_keys, common_prefix_length
@@ -36,7 +39,27 @@ from llava.sessions.tier import PersistentTier
 @dataclass(frozen=True)
 class Committed:
     expires_at: datetime  # the commit restarted the idle clock
-    image_tokens: int
+    image_tokens: int  # of all the session's images
+    images: int  # the session's images
+
+
+@dataclass(frozen=True)
+class AddedImage:
+    """An image a turn brings: its content key (None: not shared), its image tokens as the
+    processor counts them (the prompt is rendered before its features exist), and the vision
+    tower on it (``encode()``: called only when the pool does not hold its features)."""
+
+    key: bytes | None
+    tokens: int
+    encode: Callable[[], torch.Tensor]
+
+
+class TurnPrompt(NamedTuple):
+    """A turn's prompt ids, and how many of the session's images it shows before the turn's
+    own (fewer than the session holds after a rewind)."""
+
+    ids: list[int]
+    images: int
 
 
 class Leases:
@@ -58,12 +81,16 @@ class Leases:
         self.prefix_sharing = prefix_sharing
 
     def turn(
-        self, session_id: str, render: Callable[[Session], list[int]], new_tokens: int
+        self,
+        session_id: str,
+        render: Callable[[Session], TurnPrompt],
+        new_tokens: int,
+        image: AddedImage | None = None,
     ) -> TurnLease:
         """A lease on a live session for one turn, not yet taken. ``render(session)``: the
-        turn's prompt ids (called under the session's turn lock; may raise to refuse the
-        turn); ``new_tokens``: the most the answer may add."""
-        return TurnLease(self, session_id, render, new_tokens)
+        turn's prompt (called under the session's turn lock; may raise to refuse the turn);
+        ``new_tokens``: the most the answer may add; ``image``: one the turn brings."""
+        return TurnLease(self, session_id, render, new_tokens, image)
 
     def opening(
         self,
@@ -82,11 +109,16 @@ class Leases:
         return OpeningLease(self, session_id, image_key, encode, render, tenant, callers_system)
 
     def prefix_keys(
-        self, holding: Holding, sharing: Sharing, ids: list[int], known: list[bytes] = ()
+        self,
+        images: Sequence[tuple[bytes | None, int]],
+        sharing: Sharing,
+        ids: list[int],
+        known: list[bytes] = (),
     ) -> list[bytes]:
-        """The content keys of the full blocks of ``ids`` in ``holding``'s session (none when
-        sharing is off); ``known``: those of its first blocks (llava.kv.prefix.block_keys).
-        Under "opening", blocks past the opening's full ones are keyed for the session alone:
+        """The content keys of the full blocks of ``ids`` of a session with that ``sharing``
+        (none when sharing is off); ``images``: the key and token count of each image ``ids``
+        show; ``known``: the keys of its first blocks (llava.kv.prefix.block_keys). Under
+        "opening", blocks past the opening's full ones are keyed for the session alone:
         another session's right guess of its text then finds no more than a wrong one."""
         if self.prefix_sharing == "off":
             return []
@@ -95,7 +127,7 @@ class Leases:
         return block_keys(
             ids,
             bt,
-            holding.image_key,
+            images,
             self.image_token_id,
             known,
             tenant=sharing.tenant,
@@ -109,9 +141,17 @@ class Leases:
         holding = session.holding
         self.memory.crop(holding, holding.kv.length)  # reserved, not written
         ids = session.token_ids[: holding.kv.length]
-        keys = self.prefix_keys(holding, session.sharing, ids, holding.block_keys)
+        keys = self.prefix_keys(shown(holding.images), session.sharing, ids, holding.block_keys)
         self.memory.publish(holding, keys)
         self.tier.write(session, with_features)
+
+    def _committed(self, session: Session) -> Committed:
+        return Committed(self.store.expires_at(session), session.image_tokens, session.images)
+
+
+def shown(images: Sequence[HeldImage]) -> list[tuple[bytes | None, int]]:
+    """What prefix keys need of the images a prompt shows (llava.kv.prefix.block_keys)."""
+    return [(image.key, image.tokens) for image in images]
 
 
 class _Lease:
@@ -120,10 +160,11 @@ class _Lease:
     holding: Holding | None = None
     ids: list[int]  # the prompt, once taken
     reused = 0  # its first ids already in the KV when taken (not computed again)
+    images: list[HeldImage]  # those the prompt shows, in its order, once taken
 
     def __init__(self, leases: Leases):
         self._leases = leases
-        self._features: torch.Tensor | None = None  # computed, or read back, by this lease
+        self._features: torch.Tensor | None = None  # the image it adds, computed once
 
     @property
     def kv(self) -> SessionKV:
@@ -131,7 +172,8 @@ class _Lease:
 
     @property
     def image_tokens(self) -> int:
-        return self.holding.image_tokens
+        """The image tokens the prompt shows."""
+        return sum(image.tokens for image in self.images)
 
     def take(self, may_drop: bool = True) -> Shortfall | None:
         """Take the session's state for the turn (the module docstring says what, in which
@@ -151,11 +193,22 @@ class _Lease:
         return None
 
     def features(self) -> torch.Tensor | None:
-        """The image's features, to feed image tokens: those at hand, else read out of the
-        pool."""
-        if self._features is not None:
-            return self._features
-        return self._leases.memory.features(self.holding)
+        """The features of the images the prompt shows, one after the other, to feed image
+        tokens (read out of the pool)."""
+        return self._leases.memory.features(self.holding, self.images)
+
+    def _new_image(
+        self, key: bytes | None, encode: Callable[[], torch.Tensor]
+    ) -> tuple[NewImage, int]:
+        """The image to add, and its image tokens: shared where the pool holds its features
+        (asked just before the reservation that takes them: nothing reclaims them between),
+        else computed once (kept across a wait for room)."""
+        shape = None if key is None else self._leases.memory.image_shape(key)
+        if shape is not None:
+            return NewImage(key), shape[0]
+        if self._features is None:
+            self._features = encode()
+        return NewImage(key, self._features), self._features.shape[0]
 
     def rewind(self, length: int) -> None:
         """Forget what a failed step wrote past ``length`` (its blocks stay reserved)."""
@@ -167,14 +220,22 @@ class TurnLease(_Lease):
         self,
         leases: Leases,
         session_id: str,
-        render: Callable[[Session], list[int]],
+        render: Callable[[Session], TurnPrompt],
         new_tokens: int,
+        image: AddedImage | None,
     ):
         super().__init__(leases)
         self.session_id = session_id
         self._render = render
         self._new_tokens = new_tokens
+        self._image = image
+        self._read_back: list[torch.Tensor] | None = None  # a parked session's, read once
         self.session: Session | None = None
+
+    @property
+    def brought(self) -> HeldImage | None:
+        """The image this turn brought, once taken."""
+        return self.images[-1] if self._image is not None else None
 
     def _acquire(self) -> Session:
         return self._leases.store.begin_turn(self.session_id)
@@ -184,10 +245,14 @@ class TurnLease(_Lease):
 
     def _taken(self, session: Session) -> None:
         self.session, self.holding = session, session.holding
+        if self._image is not None:
+            self.images.append(self.holding.images[-1])
 
     def _reserve(self, session: Session, may_drop: bool) -> Shortfall | None:
-        self.ids = ids = self._render(session)
+        prompt = self._render(session)
+        self.ids = ids = prompt.ids
         memory, holding = self._leases.memory, session.holding
+        self.images = holding.images[: prompt.images]
         total = len(ids) + self._new_tokens
         if holding.tier is Tier.HOST:  # its KV comes back first: then reused as usual
             shortfall = memory.restore(holding, may_drop)
@@ -195,13 +260,25 @@ class TurnLease(_Lease):
                 return shortfall
         if holding.kv is not None:
             self.reused = self._keep_common_prefix(holding, session.token_ids)
-            return memory.grow(holding, total - self.reused, may_drop)
+            image = self._turns_image()
+            return memory.grow(holding, total - self.reused, image, may_drop)
         features = self._parked_features(session)
         # at least one id is prefilled: its logits start the answer
-        keys = self._leases.prefix_keys(holding, session.sharing, ids[:-1])
-        shortfall = memory.start(holding, total, keys, features, may_drop)
+        images = shown(self.images)
+        if self._image is not None:
+            images.append((self._image.key, self._image.tokens))
+        keys = self._leases.prefix_keys(images, session.sharing, ids[:-1])
+        shortfall = memory.start(holding, total, keys, features, self._turns_image(), may_drop)
         self.reused = 0 if shortfall else holding.kv.length  # a shared prefix, if any
         return shortfall
+
+    def _turns_image(self) -> NewImage | None:
+        if self._image is None:
+            return None
+        image, tokens = self._new_image(self._image.key, self._image.encode)
+        if tokens != self._image.tokens:  # the prompt counted them before they existed
+            raise ValueError(f"the image has {tokens} features, {self._image.tokens} counted")
+        return image
 
     def _keep_common_prefix(self, holding: Holding, history: list[int]) -> int:
         """Crop the KV to the longest prefix it shares with the prompt; return its length.
@@ -213,40 +290,62 @@ class TurnLease(_Lease):
         held = history[: holding.kv.length]
         # at least one id is prefilled: its logits start the answer
         reused = min(common_prefix_length(self.ids, held), len(self.ids) - 1)
+        if len(holding.images) > len(self.images):  # a rewound turn brought an image
+            reused = min(reused, self._first_image_not_shown(held))
         if reused < holding.kv.length:
             reused = self._leases.memory.crop(holding, reused)  # less inside a shared block
         return reused
 
-    def _parked_features(self, session: Session) -> torch.Tensor | None:
-        """A parked session's features: its image's, if the pool holds them, else read back
-        from the persistent tier (once: kept across a wait for room). An entry that cannot be
-        read loses the session (SESSION_EVICTED, logged with why)."""
+    def _first_image_not_shown(self, held: list[int]) -> int:
+        """Where ``held`` shows the first image the prompt does not (one a rewound turn
+        brought): its KV is another image's even where the ids match, every image token
+        being one id."""
+        image_token_id, shown = self._leases.image_token_id, self.image_tokens
+        for position, token in enumerate(held):
+            if token == image_token_id:
+                if shown == 0:
+                    return position
+                shown -= 1
+        return len(held)
+
+    def _parked_features(self, session: Session) -> Sequence[torch.Tensor]:
+        """A parked session's features, one per image: its images', where the pool holds
+        them, else read back from the persistent tier (once: kept across a wait for room).
+        An entry that cannot be read loses the session (SESSION_EVICTED, logged with why)."""
         leases, holding = self._leases, session.holding
         if not holding.parked or leases.memory.share_features(holding):
-            return None
-        if self._features is None:
+            return ()
+        if self._read_back is None:
             try:
-                self._features = leases.tier.read_back(session)
+                self._read_back = leases.tier.read_back(session)
             except BadEntry as e:
                 why = f"its persisted features are unreadable: {e}"
                 raise leases.store.lose(session, why) from None
-        return self._features
+        return self._read_back
 
     def commit(self, token_ids: list[int], messages: list[dict], turns: int) -> Committed:
         """The turn's conversation is the session's: ``token_ids`` (its KV holds them, and no
-        more once cropped), ``messages`` and ``turns``; then the session is given back."""
+        more once cropped), ``messages`` and ``turns``, and the images its prompt shows; then
+        the session is given back."""
         leases, session = self._leases, self.session
+        holding = session.holding
+        rewound = [image for image in holding.images if image not in self.images]
+        leases.memory.drop_images(holding, rewound)
         session.token_ids, session.messages, session.turns = token_ids, messages, turns
-        leases._finish(session)
+        leases._finish(session, with_features=bool(rewound) or self._image is not None)
         leases.store.end_turn(session)
         self.session = None
         leases.store.record_turn(len(self.ids) - self.reused, self.reused)
-        return Committed(leases.store.expires_at(session), session.image_tokens)
+        return leases._committed(session)
 
     def abort(self) -> None:
-        """The turn failed: its KV (which may hold part of it) goes, the history stays."""
+        """The turn failed: its KV (which may hold part of it) and the image it brought go,
+        the history stays."""
         if self.session is not None:
-            self._leases.memory.drop_kv(self.session.holding)
+            memory, holding = self._leases.memory, self.session.holding
+            memory.drop_kv(holding)
+            if self.brought is not None:
+                memory.drop_images(holding, [self.brought])
             self._leases.store.end_turn(self.session)
             self.session = None
 
@@ -271,26 +370,30 @@ class OpeningLease(_Lease):
         self.sharing = Sharing(tenant)
 
     def _acquire(self) -> Holding:
-        return self._leases.memory.hold(self._image_key)
+        return self._leases.memory.hold()
 
     def _give_back(self, holding: Holding) -> None:
         self._leases.memory.release(holding)
 
     def _taken(self, holding: Holding) -> None:
         self.holding, self.reused = holding, holding.kv.length
+        self.images = list(holding.images)
 
     def _reserve(self, holding: Holding, may_drop: bool) -> Shortfall | None:
         leases = self._leases
-        shared = self._encode is not None and leases.memory.share_features(holding)
-        if self._encode is not None and not shared and self._features is None:
-            self._features = self._encode()  # kept if a shortfall waits
-        features = None if shared else self._features
-        image_tokens = holding.image_tokens if features is None else features.shape[0]
+        image, image_tokens = None, 0
+        if self._encode is not None:
+            image, image_tokens = self._new_image(self._image_key, self._encode)
         self.ids = self._render(image_tokens)
         opening_tokens = 0 if self._callers_system else len(self.ids)
         self.sharing = replace(self.sharing, opening_tokens=opening_tokens)
-        keys = leases.prefix_keys(holding, self.sharing, self.ids)
-        return leases.memory.start(holding, len(self.ids), keys, features, may_drop)
+        images = [] if image is None else [(image.key, image_tokens)]
+        keys = leases.prefix_keys(images, self.sharing, self.ids)
+        return leases.memory.start(holding, len(self.ids), keys, (), image, may_drop)
+
+    def features(self) -> torch.Tensor | None:
+        """Its image's features: at hand when this open computed them."""
+        return self._features if self._features is not None else super().features()
 
     def commit(self, token_ids: list[int], messages: list[dict], turns: int = 0) -> Committed:
         """The session joins the store, written to the persistent tier before anyone else can
@@ -298,11 +401,12 @@ class OpeningLease(_Lease):
         leases = self._leases
         session = Session(self.session_id, token_ids, self.holding, sharing=self.sharing)
         session.messages, session.turns = messages, turns
+        session.opening_images = len(self.holding.images)
         with session.lock:
             leases.store.add(session)
             self.holding = None  # the session owns it now
             leases._finish(session, with_features=True)
-        return Committed(leases.store.expires_at(session), session.image_tokens)
+        return leases._committed(session)
 
     def abort(self) -> None:
         if self.holding is not None:

@@ -2,9 +2,10 @@
 §Persistent tier).
 
 A bounded directory (default under /dev/shm, which outlives the process but not the host)
-holds, per session, a ``<id>.state`` file (token history, messages, turns, last use, TTL) and,
-for a session with an image, a ``<id>.features`` file (its image features, written once at
-open). Every file is written to a temporary name, fsynced and renamed over the old one, and
+holds, per session, a ``<id>.state`` file (token history, messages, turns, last use, TTL, each
+image's content key and token count) and, for a session with images, a ``<id>.features`` file
+(its images' features one after the other, written at open and by each turn that changes its
+images). Every file is written to a temporary name, fsynced and renamed over the old one, and
 carries a format version, the model's identity and a SHA-256 of everything before it, so an
 entry is either whole and verified or ignored. The directory is this user's alone (0700,
 checked at start: llava.sessions.location) and every file in it 0600. ``SessionJournal`` is what
@@ -22,7 +23,7 @@ import re
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -64,9 +65,12 @@ class Snapshot:
     turns: int
     last_used_wall: float  # time.time() of its last commit
     ttl_s: float
-    image_key: str | None = None  # hex content key its features and prefix are shared under
+    # each image's hex content key its features and prefix are shared under (None: not
+    # shared) and its image tokens, in the order the conversation shows them
+    images: tuple[tuple[str | None, int], ...] = ()
     tenant: str | None = None  # whose sessions it shares with (llava.sessions.session.Sharing)
     opening_tokens: int = 0  # its first ids that hold no caller text
+    opening_images: int = 0  # images its open brought (llava.sessions.session.Session)
 
 
 @dataclass(frozen=True)
@@ -184,17 +188,22 @@ class SessionJournal:
         return self._total
 
     def save(self, snapshot: Snapshot, features: torch.Tensor | None = None) -> bool:
-        """Persist a committed state (``features`` at open only); False if not persisted."""
+        """Persist a committed state; False if not persisted. ``features``: its images' (at
+        open, and when a turn changed them); None keeps those saved before, and a tensor of no
+        rows says it holds none any more (a rewind dropped its images)."""
         session_id = snapshot.session_id
         if not _FILE_SAFE_ID.fullmatch(session_id):  # the wire's ids always are (SageMaker's)
             logger.warning(
                 "persistent tier: session %s not kept: not a file name", log_id(session_id)
             )
             return False
-        features_file = None if features is None else self._features_bytes(session_id, features)
+        none_now = features is not None and features.numel() == 0
+        features_file = None
+        if features is not None and not none_now:
+            features_file = self._features_bytes(session_id, features)
         with self._lock:
             old = self._entries.get(session_id, _Entry())
-            new = _Entry(old.features_bytes, old.features_digest)
+            new = _Entry() if none_now else _Entry(old.features_bytes, old.features_digest)
             if features_file is not None:
                 new = _Entry(len(features_file), features_file[-_DIGEST:].hex())
             state = _pack(STATE, _state_header(self.model, snapshot, new.features_digest), b"")
@@ -205,6 +214,8 @@ class SessionJournal:
                 if features_file is not None:  # first: the state names them
                     write_atomically(self._path(session_id, FEATURES), features_file)
                 write_atomically(self._path(session_id, STATE), state)
+                if none_now:  # after: the state names them no more
+                    self._path(session_id, FEATURES).unlink(missing_ok=True)
             except OSError as e:
                 return self._drop(session_id, f"writing failed ({e.strerror or type(e).__name__})")
             self._total += new.total - old.total
@@ -292,10 +303,12 @@ class SessionJournal:
                 turns=int(header["turns"]),
                 last_used_wall=float(header["lastUsedWall"]),
                 ttl_s=float(header["ttlS"]),
-                image_key=_image_key(header.get("imageKey")),
+                images=_images(header.get("images", [])),
                 tenant=_tenant(header.get("tenant")),
-                opening_tokens=_count(header.get("openingTokens", 0)),
+                opening_tokens=_count(header.get("openingTokens", 0), "openingTokens"),
+                opening_images=_count(header.get("openingImages", 0), "openingImages"),
             )
+            legacy_key = _image_key(header.get("imageKey"))
         except (KeyError, TypeError, ValueError) as e:
             raise BadEntry(f"a state without {e}") from None
         if snapshot.session_id != session_id:
@@ -305,6 +318,13 @@ class SessionJournal:
         shape = None
         if header["features"] is not None:
             shape = tuple(self._features(session_id, header["features"]).shape)
+        if "images" not in header:  # written before a session could hold several images
+            images = () if shape is None else ((legacy_key, shape[0]),)
+            snapshot = replace(snapshot, images=images, opening_images=len(images))
+        if sum(tokens for _, tokens in snapshot.images) != (0 if shape is None else shape[0]):
+            raise BadEntry("features that are not its images' (their token counts differ)")
+        if snapshot.opening_images > len(snapshot.images):
+            raise BadEntry("an open's image that is not among its images")
         return Persisted(snapshot, shape, header["features"])
 
     def features(self, session_id: str) -> torch.Tensor:
@@ -407,9 +427,10 @@ def _state_header(model: str, snapshot: Snapshot, features_digest: str | None) -
         "turns": snapshot.turns,
         "lastUsedWall": snapshot.last_used_wall,
         "ttlS": snapshot.ttl_s,
-        "imageKey": snapshot.image_key,
+        "images": [{"key": key, "tokens": tokens} for key, tokens in snapshot.images],
         "tenant": snapshot.tenant,
         "openingTokens": snapshot.opening_tokens,
+        "openingImages": snapshot.opening_images,
         "features": features_digest,
     }
 
@@ -420,8 +441,14 @@ def _features_header(model: str, session_id: str, dtype: str, shape) -> dict:
 
 def _image_key(value) -> str | None:
     if value is not None and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
-        raise ValueError("a well-formed imageKey")
+        raise ValueError("a well-formed image key")
     return value
+
+
+def _images(value) -> tuple[tuple[str | None, int], ...]:
+    if not isinstance(value, list) or not all(isinstance(image, dict) for image in value):
+        raise ValueError("a well-formed images list")
+    return tuple((_image_key(image["key"]), _count(image["tokens"], "images")) for image in value)
 
 
 def _tenant(value) -> str | None:
@@ -430,9 +457,9 @@ def _tenant(value) -> str | None:
     return value
 
 
-def _count(value) -> int:
+def _count(value, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError("a well-formed openingTokens")
+        raise ValueError(f"a well-formed {field}")
     return value
 
 

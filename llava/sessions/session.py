@@ -37,6 +37,9 @@ class Session:
     # The conversation as chat-template messages: each turn's prompt is rendered from it.
     messages: list[dict] = field(default_factory=list)
     sharing: Sharing = field(default_factory=Sharing)
+    # Images its open brought (0 or 1): shown in its first question's message, before any
+    # image that question brings (the rest are the messages' own image parts).
+    opening_images: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -50,3 +53,7 @@ class Session:
     @property
     def image_tokens(self) -> int:
         return self.holding.image_tokens
+
+    @property
+    def images(self) -> int:
+        return len(self.holding.images)

@@ -13,7 +13,7 @@ import torch
 
 from llava.errors import log_id
 from llava.kv.holding import Holding
-from llava.sessions.persist import NoJournal, SessionJournal, Snapshot
+from llava.sessions.persist import BadEntry, NoJournal, SessionJournal, Snapshot
 from llava.sessions.session import Session, Sharing
 from llava.sessions.store import EXPIRED, SessionStore
 
@@ -24,9 +24,7 @@ class Marks(Protocol):
     """What the tier asks of the memory manager (llava.kv.memory.MemoryManager)."""
 
     def mark_persisted(self, holding: Holding, persisted: bool) -> None: ...
-    def hold_parked(
-        self, feature_shape: tuple[int, int] | None, image_key: bytes | None = None
-    ) -> Holding: ...
+    def hold_parked(self, images: list[tuple[bytes | None, tuple[int, int]]]) -> Holding: ...
     def features(self, holding: Holding) -> torch.Tensor | None: ...
 
 
@@ -37,13 +35,17 @@ class PersistentTier:
         self.ttl_s = ttl_s
 
     def write(self, session: Session, with_features: bool = False) -> None:
-        """The session's committed state (at open, ``with_features``: its image features too)
-        on disk before its reply goes; the caller holds the session's turn. A session kept
-        here is parked under pressure, one that is not is evicted."""
+        """The session's committed state (``with_features``: its images' features too, at open
+        and when a turn changed its images) on disk before its reply goes; the caller holds
+        the session's turn. A session kept here is parked under pressure, one that is not is
+        evicted."""
         if not self.journal.enabled:
             return
         holding = session.holding
-        features = self.memory.features(holding) if with_features else None
+        features = None
+        if with_features:  # none at all any more: an empty tensor says so
+            features = self.memory.features(holding)
+            features = torch.empty(0) if features is None else features
         snapshot = Snapshot(
             session.session_id,
             session.token_ids,
@@ -51,9 +53,10 @@ class PersistentTier:
             session.turns,
             time.time(),
             self.ttl_s,
-            None if holding.image_key is None else holding.image_key.hex(),
+            tuple((_hex(image.key), image.tokens) for image in holding.images),
             session.sharing.tenant,
             session.sharing.opening_tokens,
+            session.opening_images,
         )
         try:
             kept = self.journal.save(snapshot, features)
@@ -63,9 +66,13 @@ class PersistentTier:
             kept = False
         self.memory.mark_persisted(holding, kept)
 
-    def read_back(self, session: Session) -> torch.Tensor:
-        """A parked session's image features (BadEntry: they cannot be read)."""
-        return self.journal.features(session.session_id)
+    def read_back(self, session: Session) -> list[torch.Tensor]:
+        """A parked session's features, one per image (BadEntry: they cannot be read)."""
+        features = self.journal.features(session.session_id)
+        counts = [image.tokens for image in session.holding.images]
+        if sum(counts) != features.shape[0]:
+            raise BadEntry(f"{features.shape[0]} rows of features for {sum(counts)} image tokens")
+        return list(torch.split(features, counts))
 
     def remove(self, session_id: str, reason: str | None = None) -> None:
         """The session went (closed, expired, evicted): its entry goes, and why is noted."""
@@ -85,13 +92,21 @@ class PersistentTier:
             store.refuse_entry(session_id, EXPIRED)
         for entry in loaded.live:
             snapshot = entry.snapshot
-            key = snapshot.image_key  # already salted with its tenant
-            shared = bytes.fromhex(key) if key and shares_images else None
-            holding = self.memory.hold_parked(entry.features_shape, shared)
+            hidden = 0 if entry.features_shape is None else entry.features_shape[1]
+            images = [  # keys already salted with their tenant
+                (bytes.fromhex(key) if key and shares_images else None, (tokens, hidden))
+                for key, tokens in snapshot.images
+            ]
+            holding = self.memory.hold_parked(images)
             sharing = Sharing(snapshot.tenant, snapshot.opening_tokens)
             session = Session(snapshot.session_id, snapshot.token_ids, holding, sharing=sharing)
             session.messages, session.turns = snapshot.messages, snapshot.turns
+            session.opening_images = snapshot.opening_images
             store.restore(session, idle_s=max(0.0, now - snapshot.last_used_wall))
         if loaded.live:
             logger.info("persistent tier: adopted %d sessions", len(loaded.live))
         return len(loaded.live)
+
+
+def _hex(key: bytes | None) -> str | None:
+    return None if key is None else key.hex()

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
 from llava.kv.holding import Tier
 from llava.model.loading import load_model
+from scripts.bench.turns import ensure_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,12 +48,6 @@ class Run:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s
-
-
-def ensure_model(model_dir: Path) -> None:
-    if not (model_dir / "config.json").exists():
-        cmd = [sys.executable, "-m", "demo_model.build", "--config", "realistic"]
-        subprocess.run([*cmd, "--out", str(model_dir)], check=True, cwd=REPO)
 
 
 def sessions_at_once(engine: Engine, images, turns: int, new_tokens: int) -> Run:

@@ -104,7 +104,8 @@ def seven_b_writes(repeats: int) -> tuple[int, int, float, float]:
     ids = [32000] * SEVEN_B["image_tokens"] + list(range(29000, 29100))
     opens, turns = [], []
     for i in range(repeats):
-        snapshot = Snapshot(f"s{i}", ids, [], 0, time.time(), 1200.0)
+        image = ((None, SEVEN_B["image_tokens"]),)
+        snapshot = Snapshot(f"s{i}", ids, [], 0, time.time(), 1200.0, image, opening_images=1)
         for times, extra in ((opens, features), (turns, None)):
             start = time.perf_counter()
             journal.save(snapshot, extra)

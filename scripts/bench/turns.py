@@ -57,7 +57,8 @@ SHAPES = {
 }
 
 
-def ensure_model(model_dir: Path, config: str) -> None:
+def ensure_model(model_dir: Path, config: str = "realistic") -> None:
+    """Build the demo model's ``config`` shape into ``model_dir`` unless it is there."""
     if not (model_dir / "config.json").exists():
         cmd = [sys.executable, "-m", "demo_model.build", "--config", config]
         subprocess.run([*cmd, "--out", str(model_dir)], check=True, cwd=REPO)

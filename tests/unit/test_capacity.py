@@ -17,6 +17,7 @@ from capacity.instances import INSTANCES
 from capacity.sizing import (
     Workload,
     fit,
+    image_bytes,
     load_checkpoint,
     parse_size,
     session_bytes,
@@ -32,6 +33,7 @@ from tests.checkpoints import LLAVA_15, LLAVA_NEXT, UNSUPPORTED, unsupported_che
 from tests.conftest import DEMO_MODEL_DIR, REPO
 
 NEXT_ROWS = ("ml.g5.2xlarge", "ml.g5.12xlarge", "ml.p4d.24xlarge")
+KiB, MiB = 2**10, 2**20
 
 
 @cache
@@ -137,6 +139,65 @@ def test_the_cli_prints_the_table_for_one_instance(capsys):
     rows = [line for line in printed.splitlines() if line.startswith("ml.")]
     assert [row.split()[0] for row in rows] == ["ml.g6e.xlarge"]
     assert "NVIDIA L40S datasheet" in printed  # every figure says where it came from
+
+
+def test_an_extra_image_holds_exactly_the_bytes_capacity_predicts(demo_model):
+    """Two engines, one session each on the same image, the same question with an answer of
+    the same length; one turn also sends a second image: that engine holds one more image's
+    features and its tokens' KV, to the byte (64 image tokens: whole blocks either way)."""
+    first, second = (sample.image for sample in held_out_samples(2, seed=71_002))
+    held = []
+    for image in (None, second):
+        engine = Engine(demo_model, EngineConfig("-"), MemoryBudget(8 << 20))
+        session_id = engine.open(first).session_id
+        same_length = {"max_new_tokens": 4, "min_new_tokens": 4}
+        answer = engine.ask(session_id, "And this one?", same_length, image=image)
+        assert answer.images == (2 if image else 1)
+        held.append(engine.stats().bytes_by_tier)
+    without, with_image = held
+    extra = image_bytes(loaded_checkpoint(DEMO_MODEL_DIR, torch.float32))
+    assert extra.tokens == 64 and extra.features > 0 and extra.kv > 0
+    assert with_image[Tier.FEATURES] - without[Tier.FEATURES] == extra.features
+    assert with_image[Tier.KV] - without[Tier.KV] == extra.kv
+
+
+@pytest.mark.parametrize(
+    ("model_dir", "tokens", "kv_per_token", "pool_blocks"),
+    [(LLAVA_15, 576, 32 * 2 * 4096 * 2, 1), (LLAVA_NEXT, 2928, 32 * 2 * 1024 * 2, 12)],
+    ids=["llava-1.5-7b", "llava-next-mistral-7b"],
+)
+def test_an_extra_image_costs_its_features_and_its_tokens_kv(
+    model_dir, tokens, kv_per_token, pool_blocks
+):
+    """bf16: llava-1.5's 576 tokens (every image), NeXT's largest image's 2,928; features of
+    tokens x 4096 x 2 B in whole pool blocks of 16 tokens' KV, and KV of every image token in
+    32 layers (K and V: llava-1.5's 32 heads of 128, Mistral's 8 KV heads of 128)."""
+    checkpoint = loaded_checkpoint(model_dir, torch.bfloat16)
+    extra = image_bytes(checkpoint)
+    assert (extra.tokens, checkpoint.kv_bytes_per_token) == (tokens, kv_per_token)
+    assert extra.raw_features == tokens * 4096 * 2
+    assert extra.features == pool_blocks * 16 * kv_per_token >= extra.raw_features
+    assert extra.kv == tokens * kv_per_token
+    assert extra.total == extra.features + extra.kv
+    if model_dir == LLAVA_15:  # 4.5 MiB of features in one 8 MiB block, and 288 MiB of KV
+        assert (extra.raw_features, extra.features, extra.kv) == (4.5 * MiB, 8 * MiB, 288 * MiB)
+    else:  # 22.9 MiB of features in 24 MiB, and 366 MiB of KV
+        assert (extra.features, extra.kv) == (24 * MiB, 366 * MiB)
+        assert extra.raw_features == 2928 * 8 * KiB
+
+
+def test_the_cli_prints_what_each_extra_image_costs(capsys):
+    flags = ["--instance", "ml.g5.2xlarge", "--dtype", "bfloat16"]
+    assert capacity_cli(["--model-dir", str(LLAVA_15), *flags]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "each extra image (a turn's image): 576 tokens (the same for every image): features"
+        " 4.5 MiB (8.0 MiB in pool blocks) + KV 288.0 MiB = 296.0 MiB on the GPU"
+    ) in printed
+    assert (
+        "at most 4 images a session (max_images_per_session, the open's included):"
+        " 3 more add 888.0 MiB"
+    ) in printed
 
 
 # make test-fast runs the command for llava-1.5 (above) and checks NeXT's figures in-process

@@ -40,6 +40,12 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny-llava-1.5")
+    build_tiny_llava15(out)
+    return str(out)
+
+
+def build_tiny_llava15(out: Path, seed: int = 0) -> None:
+    """llava-1.5-7b-hf's config shrunk (IMAGE_PX images), random weights, its processor."""
     raw = json.loads((FIXTURE / "config.json").read_text())
     raw["text_config"].update(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,13 +55,12 @@ def tiny_dir(tmp_path_factory) -> str:
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         image_size=IMAGE_PX, projection_dim=32,
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlavaForConditionalGeneration(LlavaConfig(**raw)).save_pretrained(out)
     processor = AutoProcessor.from_pretrained(FIXTURE)
     processor.image_processor.crop_size = {"height": IMAGE_PX, "width": IMAGE_PX}
     processor.image_processor.size = {"shortest_edge": IMAGE_PX}
     processor.save_pretrained(out)
-    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +85,7 @@ def conversation(
     messages = [system_message(system)] if system else []
     for asked, answered in [*turns, (question, None)]:
         first = not any(m["role"] == "user" for m in messages)
-        message = user_message(asked.strip(), with_image=image is not None and first)
+        message = user_message(asked.strip(), int(image is not None and first))
         if message["content"][0]["type"] == "image":
             message["content"][0]["image"] = image
         messages.append(message)

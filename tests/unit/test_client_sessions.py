@@ -5,6 +5,7 @@ tests/serving/test_local_endpoint.py."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -60,6 +61,87 @@ def test_a_tenant_goes_as_a_custom_attribute_on_the_open_and_on_its_replay(conta
         for headers, body in zip(container.headers, container.bodies, strict=True)
     ]
     assert sent == [("NEW_SESSION", "tenant=acme"), ("SESSION", None)] * 2
+
+
+def answered_with_image(text: str, turns: int, images: int) -> tuple[int, dict, dict]:
+    usage = {"newTokens": 80, "cachedTokens": 40, "imageTokens": 64, "images": images}
+    return 200, {}, {"generation": {"text": text}, "usage": usage, "turns": turns}
+
+
+DOG_PNG = b"\x89PNG dog"
+DOG = {"b64": base64.b64encode(DOG_PNG).decode()}
+
+
+def test_a_turns_image_goes_in_its_ask_and_the_answer_shows_its_usage(container, tmp_path):
+    container.script = [OPENED, answered("a circle", 1), answered_with_image("a square", 2, 2)]
+    container.script += [answered_with_image("a star", 3, 3), streamed(["a ", "cat"])]
+    chat = client_for(container).open("https://x.test/cat.png")
+    assert chat.ask("What shape?").image_tokens is None  # the reply did not say
+    answer = chat.ask("And this one?", image=DOG_PNG, max_new_tokens=4)
+    assert (answer.text, answer.image_tokens, answer.images) == ("a square", 64, 2)
+    (tmp_path / "star.png").write_bytes(b"\x89PNG star")
+    assert chat.ask("And this?", image=tmp_path / "star.png").images == 3
+    assert "".join(chat.ask_stream("Which one?", image="s3://b/cat.png")) == "a cat"
+    opened, plain, dog, star, streamed_ask = container.bodies
+    assert opened["image"] == {"url": "https://x.test/cat.png"} and "image" not in plain
+    assert dog == {
+        "requestType": "SESSION",
+        "inputs": "And this one?",
+        "image": DOG,
+        "parameters": {"max_new_tokens": 4},
+    }
+    assert base64.b64decode(star["image"]["b64"]) == b"\x89PNG star"
+    assert streamed_ask["image"] == {"s3": "s3://b/cat.png"} and streamed_ask["stream"] is True
+    assert [turn.image for turn in chat.history] == [
+        None,
+        DOG,
+        star["image"],
+        streamed_ask["image"],
+    ]
+    with pytest.raises(ValueError, match="pathlib.Path"):
+        chat.ask("And this?", image="dog.png")  # refused here: nothing sent
+    assert container.calls == 5
+
+
+def test_replay_sends_each_turns_image_again_with_its_turn(container):
+    """The re-opened session gets the open's image, then each question with the image its
+    turn sent, in order; then the call that met the gone session, with its own image."""
+    container.script = [OPENED, answered("a circle", 1), answered_with_image("a dog", 2, 2)]
+    container.script += [GONE, OPENED, answered("a circle", 1), answered_with_image("a dog", 2, 2)]
+    container.script += [answered_with_image("a star", 3, 3)]
+    chat = client_for(container, recover="replay").open("https://x.test/cat.png")
+    chat.ask("What shape?")
+    chat.ask("And this one?", image=DOG_PNG)
+    assert chat.ask("And this?", image="https://x.test/star.png").text == "a star"
+    sent = [(body.get("inputs"), body.get("image")) for body in container.bodies]
+    cat, star = {"url": "https://x.test/cat.png"}, {"url": "https://x.test/star.png"}
+    first_life = [(None, cat), ("What shape?", None), ("And this one?", DOG)]
+    assert sent == first_life + [("And this?", star)] + first_life + [("And this?", star)]
+    assert chat.recoveries == 1 and chat.turns == 3 and chat.replay_mismatches == 0
+    assert [turn.image for turn in chat.history] == [None, DOG, star]
+
+
+def test_regenerate_and_edit_last_send_the_replaced_turns_image_again(container):
+    """A rewound turn takes its image along on the server, so the turn that replaces it
+    brings it again; edit_last sends another image, or none, when told."""
+    container.script = [OPENED, answered_with_image("a dog", 1, 2)]
+    container.script += [answered_with_image(text, 1, n) for text, n in [("a puppy", 2)] * 3]
+    container.script += [answered("nothing", 1)]
+    chat = client_for(container).open("https://x.test/cat.png")
+    chat.ask("And this one?", image=DOG_PNG)
+    chat.regenerate()
+    chat.edit_last("What breed is this one?")
+    chat.edit_last("And this?", image="https://x.test/star.png")
+    chat.edit_last("And now?", image=None)
+    sent = [(b["inputs"], b.get("image"), b.get("rewind_turns")) for b in container.bodies[1:]]
+    assert sent == [
+        ("And this one?", DOG, None),
+        ("And this one?", DOG, 1),
+        ("What breed is this one?", DOG, 1),
+        ("And this?", {"url": "https://x.test/star.png"}, 1),
+        ("And now?", None, 1),
+    ]
+    assert [(turn.question, turn.image) for turn in chat.history] == [("And now?", None)]
 
 
 def test_recover_takes_only_its_named_choices():

@@ -97,6 +97,21 @@ def test_a_request_over_sagemakers_6_mb_is_refused_before_it_is_sent():
     assert "6,291,456" in raised.value.message
 
 
+@pytest.mark.parametrize("how", ["ask", "ask_stream"])
+def test_an_ask_with_an_inline_image_over_sagemakers_6_mb_is_refused_before_it_is_sent(how):
+    """A turn's image counts toward the same cap as an open's: nothing is sent (nothing
+    listens at the endpoint URL), and the session's history is untouched."""
+    nowhere = f"http://127.0.0.1:{free_ports(1)[0]}"
+    chat = LlavaClient("x", endpoint_url=nowhere, **DUMMY_CREDENTIALS).attach("s-1")
+    with pytest.raises(LlavaError) as raised:
+        if how == "ask":
+            chat.ask("And this one?", image=b"\xff" * 4_800_000)  # 6.4 MB as base64
+        else:
+            list(chat.ask_stream("And this one?", image=b"\xff" * 4_800_000))
+    assert raised.value.code == "REQUEST_TOO_LARGE" and "6,291,456" in raised.value.message
+    assert chat.history == []
+
+
 def client_error(code: str, status: int, **fields) -> ClientError:
     """The parsed response botocore builds from an error reply (as the endpoint tests show)."""
     response = {

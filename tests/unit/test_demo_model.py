@@ -139,7 +139,7 @@ def test_training_first_turn_is_the_canonical_prompt(demo_model):
     for question in QUESTIONS[:2]:
         ids, _ = pieces.first_turn(question, image)
         tokens = ids.count(demo_model.model.config.image_token_id)
-        messages = [user_message(question, with_image=True)]
+        messages = [user_message(question, images=1)]
         assert ids == demo_model.prompt.ids(messages, image_tokens=tokens)
 
 

@@ -4,9 +4,11 @@ Each family is a tiny random ``LlavaNextForConditionalGeneration`` built from
 llava-v1.6-mistral-7b-hf's own ``config.json`` (tests/fixtures) with the family's text model
 (reduced sizes, the family's KV-head grouping and rope) and the family's chat template; the
 tiling rules are the checkpoint's, at a 42-px tile (its 336 px / 8: the pinpoints shrink alike).
-The tokenizer is llava-1.5's LLaMA tokenizer, standing in for Mistral's and Yi's (their files
-are not reachable here; see the fixture's README): ids of text differ from those checkpoints',
-the templates and every image rule do not.
+The Mistral family has the checkpoint's own tokenizer, built from Mistral's SentencePiece model in
+the fixture (tests/mistral_tokenizer.py: legacy handling, so ``<image>\n`` is followed by ``▁``,
+and ``</s> [INST]`` by ``▁``, ``▁[``). Vicuna and Yi have llava-1.5's LLaMA tokenizer (Vicuna's
+vocabulary; a stand-in for Yi's, whose files are not reachable here): Yi's ids of text differ
+from that checkpoint's, its template and every image rule do not.
 
 The oracle is Hugging Face's own pipeline on the whole conversation each turn:
 ``processor.apply_chat_template(..., tokenize=True)`` (which expands ``<image>`` as the
@@ -18,13 +20,20 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image, ImageDraw
-from transformers import AutoProcessor, LlavaNextConfig, LlavaNextForConditionalGeneration
+from transformers import (
+    AutoTokenizer,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextProcessor,
+    PreTrainedTokenizerBase,
+)
 
 from llava.config import EngineConfig
 from llava.engine import Engine
@@ -34,6 +43,7 @@ from llava.model.loading import load_model
 from llava.model.vision import image_tokens, most_image_tokens
 from scripts.handler_harness import InProcessWorker
 from tests.intake_servers import image_bytes
+from tests.mistral_tokenizer import mistral_tokenizer
 from tests.unit.test_checkpoint_fidelity import conversation, hf_inputs, last_prompt
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -71,10 +81,16 @@ def fixture_template(name: str) -> str:
     return json.loads((FIXTURES / name / "chat_template.json").read_text())["chat_template"]
 
 
+def llama_tokenizer():
+    """llava-1.5's LLaMA tokenizer (Vicuna's vocabulary), ``<image>`` 32000, ``<pad>`` 32001."""
+    return AutoTokenizer.from_pretrained(FIXTURES / "llava-1.5-7b-hf")
+
+
 @dataclass(frozen=True)
 class Family:
     text: dict  # the text model's config (reduced sizes, the family's shape)
     template: str
+    tokenizer: Callable[[], PreTrainedTokenizerBase] = llama_tokenizer
 
 
 TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
@@ -83,6 +99,7 @@ FAMILIES = {
     "v1.6-mistral": Family(
         {"num_attention_heads": 4, "num_key_value_heads": 2},  # the fixture's mistral text model
         fixture_template("llava-v1.6-mistral-7b-hf"),
+        mistral_tokenizer,  # the checkpoint's own, from Mistral's SentencePiece model
     ),
     # Vicuna-7B/13B: LLaMA with one KV head per query head; llava-1.5's USER/ASSISTANT template
     "v1.6-vicuna": Family(
@@ -113,7 +130,7 @@ def build_family(out: Path, family: Family) -> None:
     raw["image_grid_pinpoints"] = pinpoints
     torch.manual_seed(0)
     LlavaNextForConditionalGeneration(LlavaNextConfig(**raw)).save_pretrained(out)
-    processor = AutoProcessor.from_pretrained(NEXT)
+    processor = LlavaNextProcessor.from_pretrained(NEXT, tokenizer=family.tokenizer())
     processor.image_processor.crop_size = {"height": TILE_PX, "width": TILE_PX}
     processor.image_processor.size = {"shortest_edge": TILE_PX}
     processor.image_processor.image_grid_pinpoints = pinpoints
@@ -131,9 +148,14 @@ def build_family(out: Path, family: Family) -> None:
     ],
 )
 def loaded(request, tmp_path_factory):
+    family = FAMILIES[request.param]
     out = tmp_path_factory.mktemp(request.param)
-    build_family(out, FAMILIES[request.param])
-    return load_model(str(out), device="cpu", dtype="float32")
+    build_family(out, family)
+    loaded = load_model(str(out), device="cpu", dtype="float32")
+    # the engine reads back the family's own tokenizer (Mistral's ids of text are not LLaMA's)
+    probe = "[INST] <image>\nHello,  world! [/INST] Hi.</s> [INST]"
+    assert loaded.tokenizer(probe).input_ids == family.tokenizer()(probe).input_ids
+    return loaded
 
 
 def new_engine(loaded) -> Engine:

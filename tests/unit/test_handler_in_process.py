@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import re
 import threading
@@ -19,7 +20,8 @@ from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
 from scripts.handler_harness import InProcessWorker, Reply
-from tests.intake_servers import image_bytes
+from tests.conftest import recognized_samples
+from tests.intake_servers import LoopbackServer, image_bytes, respond
 from tests.unit.test_reaper import wait_until
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
@@ -325,3 +327,112 @@ def test_a_lost_device_ends_the_worker_through_the_hook_initialize_registers(
     assert reply.status == 500 and reply.json()["error"]["code"] == "SHARD_FAILED"
     wait_until(lambda: exits, 10, "the hook to end the worker")
     assert exits == [ENGINE_LOST_EXIT_CODE] and ENGINE_LOST_EXIT_CODE != 0
+
+
+def inline(image) -> dict:
+    return {"b64": base64.b64encode(image_bytes(image)).decode()}
+
+
+def ask_about(worker, session_id, question, image=None, **body):
+    body = {"requestType": "SESSION", "inputs": question, **body}
+    body["parameters"] = {"max_new_tokens": 8}
+    if image is not None:
+        body["image"] = image
+    return worker.invoke(body, {SESSION: session_id})
+
+
+def open_on(worker, image) -> dict:
+    reply = worker.invoke({"requestType": "NEW_SESSION", "image": inline(image)})
+    assert reply.status == 200, reply.text
+    return reply.json()
+
+
+def test_a_second_image_on_a_turn_is_answered_and_counted_in_usage(worker, demo_model):
+    first, second, third = recognized_samples(demo_model, 3, seed=52_000)
+    opened = open_on(worker, first.image)
+    session_id, per_image = opened["sessionId"], opened["imageTokens"]
+    plain = ask_about(worker, session_id, "What color is the shape?").json()
+    assert (plain["usage"]["imageTokens"], plain["usage"]["images"]) == (0, 1)
+    reply = ask_about(worker, session_id, "And this one? What color is it?", inline(second.image))
+    assert reply.status == 200, reply.text
+    usage = reply.json()["usage"]
+    assert usage["imageTokens"] == per_image > 0 and usage["images"] == 2
+    assert usage["newTokens"] > usage["imageTokens"]  # the question's tokens too
+    assert reply.json()["turns"] == 2 and reply.json()["generation"]["text"]
+    # streamed: the last line is the reply, with the same usage fields
+    streamed = ask_about(worker, session_id, "And this one?", inline(third.image), stream=True)
+    last = json.loads(streamed.text.splitlines()[-1])
+    assert (last["usage"]["imageTokens"], last["usage"]["images"], last["turns"]) == (
+        per_image,
+        3,
+        3,
+    )
+    after = ask_about(worker, session_id, "What shape is it?").json()
+    assert (after["usage"]["imageTokens"], after["usage"]["images"]) == (0, 3)
+
+
+def test_an_image_past_max_images_per_session_is_a_400_and_the_session_answers_on(
+    worker, demo_model
+):
+    """The default allows 4 images a session, the open's included: the 5th is refused with
+    TOO_MANY_IMAGES before the vision tower sees it, and the session answers the next question
+    as if that turn had not been sent."""
+    images = [sample.image for sample in held_out_samples(5, seed=52_100)]
+    assert worker.service.config.max_images_per_session == 4
+    session_id = open_on(worker, images[0])["sessionId"]
+    for n, image in enumerate(images[1:4], start=2):
+        reply = ask_about(worker, session_id, "And this one?", inline(image))
+        assert reply.status == 200 and reply.json()["usage"]["images"] == n, reply.text
+    vision_runs = []
+    tower = worker.service.engine.shards[0].loaded.model.model.vision_tower
+    hook = tower.register_forward_hook(lambda *_: vision_runs.append(1))
+    try:
+        refused = ask_about(worker, session_id, "And this one?", inline(images[4]))
+    finally:
+        hook.remove()
+    assert refused.status == 400, refused.text
+    assert refused.json()["error"]["code"] == "TOO_MANY_IMAGES" and vision_runs == []
+    answered = ask_about(worker, session_id, "What color is the shape?")
+    assert answered.status == 200, answered.text
+    assert answered.json()["turns"] == 4 and answered.json()["usage"]["images"] == 4
+
+
+@pytest.fixture
+def image_server():
+    server = LoopbackServer()
+    server.routes["/text.png"] = respond(b"plain text, no image", 200)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("source", "status", "code"),
+    [
+        (lambda http: {"url": http.url("/missing.png")}, 424, "IMAGE_FETCH_FAILED"),
+        (lambda http: {"url": http.url("/text.png")}, 415, "NOT_AN_IMAGE"),
+        (lambda http: {"url": "http://10.255.255.1/x.png"}, 403, "IMAGE_SOURCE_NOT_ALLOWED"),
+        (lambda http: {"b64": base64.b64encode(b"\xff" * 64).decode()}, 415, "NOT_AN_IMAGE"),
+        (lambda http: {"b64": "not base64 at all!"}, 400, "INVALID_REQUEST"),
+    ],
+    ids=["404", "not-an-image", "private-address", "inline-garbage", "bad-base64"],
+)
+def test_a_turn_whose_image_fetch_fails_leaves_the_session_as_it_was(
+    demo_model, image_server, source, status, code
+):
+    """The intake's own 4xx, and no half turn: the next question is answered as in a twin
+    session that never got the failed turn (same text, same turn count, one image)."""
+    engine = Engine(demo_model, EngineConfig(model_dir="-"), MemoryBudget(1 << 30))
+    worker = InProcessWorker(engine, intake={"allow": ["127.0.0.1"]})
+    try:
+        image = held_out_samples(1, seed=52_200)[0].image
+        session_id, twin = open_on(worker, image)["sessionId"], open_on(worker, image)["sessionId"]
+        for sid in (session_id, twin):
+            assert ask_about(worker, sid, "What shape is it?").status == 200
+        failed = ask_about(worker, session_id, "And this one?", source(image_server))
+        assert (failed.status, failed.json()["error"]["code"]) == (status, code), failed.text
+        answers = [ask_about(worker, sid, "And its color?").json() for sid in (session_id, twin)]
+        assert answers[0]["turns"] == answers[1]["turns"] == 2
+        assert answers[0]["usage"]["images"] == 1
+        assert answers[0]["generation"]["text"] == answers[1]["generation"]["text"]
+    finally:
+        worker.stop()

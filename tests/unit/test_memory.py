@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llava.errors import NoCapacity, SessionNotFound
-from llava.kv.holding import Tier
+from llava.kv.holding import NewImage, Tier
 from llava.kv.memory import MemoryManager, Shortfall
 from tests.memory_helpers import (
     FEATURE_HIDDEN,
@@ -36,7 +36,7 @@ def test_features_live_in_pool_blocks_and_come_back_exactly():
     memory = new_memory(blocks=8)
     holding = memory.hold()
     features = torch.randn(40, FEATURE_HIDDEN)  # 320 elements: 2 blocks of 256
-    assert memory.start(holding, 3, features=features) is None
+    assert memory.start(holding, 3, image=NewImage(None, features)) is None
     assert len(holding.feature_blocks) == 2
     assert torch.equal(memory.features(holding), features)
     stats = memory.stats()
@@ -123,7 +123,8 @@ def test_sessions_the_persistent_tier_holds_are_parked_and_only_the_others_evict
         with pytest.raises(ValueError, match="parked"):
             memory.start(session.holding, 4)
         assert (
-            memory.start(session.holding, 4, features=torch.full((10, FEATURE_HIDDEN), 2.0)) is None
+            memory.start(session.holding, 4, features=[torch.full((10, FEATURE_HIDDEN), 2.0)])
+            is None
         )
         assert session.tier is Tier.KV and holds_value(memory, session, 2.0)
     store.check_integrity()
@@ -193,6 +194,32 @@ def test_a_shortfall_is_a_value_and_moves_nobody():
         memory.release(asking)
     with pytest.raises(NoCapacity):
         memory.start(memory.hold(), 2 * 11)  # more than the whole pool: never
+    store.check_integrity()
+
+
+def test_a_turns_new_image_is_all_or_nothing():
+    """Growing with a new image takes its shared reference before room is made (so making it
+    cannot reclaim the features) and gives it back on a Shortfall: nothing taken."""
+    store = new_store(blocks=12)
+    memory = store.memory
+    owner = make_session(memory, tokens=4, feature_rows=0)  # 2 blocks
+    image = torch.full((40, FEATURE_HIDDEN), 7.0)  # 2 blocks
+    assert memory.grow(owner.holding, 2, image=NewImage(b"picture", image)) is None
+    store.add(owner)
+    busy = make_session(memory, tokens=8, feature_rows=0)  # 4 blocks, pinned
+    with store.use(owner.session_id) as session:
+        before = memory.pool.free_blocks
+        refs = [memory.pool.refs(b) for b in session.holding.images[0].blocks]
+        # the same image again and more tokens than the pool has free: a Shortfall
+        shortfall = memory.grow(session.holding, 2 * 6, image=NewImage(b"picture"))
+        assert isinstance(shortfall, Shortfall) and len(session.holding.images) == 1
+        assert [memory.pool.refs(b) for b in session.holding.images[0].blocks] == refs
+        assert memory.pool.free_blocks == before
+        assert memory.grow(session.holding, 2, image=NewImage(b"picture")) is None
+        assert torch.equal(memory.features(session.holding, session.holding.images[1:]), image)
+        memory.drop_images(session.holding, session.holding.images[1:])
+        assert [memory.pool.refs(b) for b in session.holding.images[0].blocks] == refs
+    memory.release(busy.holding)
     store.check_integrity()
 
 

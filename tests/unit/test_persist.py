@@ -32,6 +32,7 @@ from llava.sessions.persist import (
     STATE,
     SessionJournal,
     Snapshot,
+    _pack,
 )
 from llava.sessions.session import Tier
 from serving.interrupted import StreamEnd
@@ -49,9 +50,11 @@ def new_engine(demo_model, directory, clock=time.monotonic, **settings) -> Engin
     return Engine(demo_model, config, MemoryBudget(1 << 30), clock=clock)
 
 
-def snapshot(session_id="s1", turns=1, last_used=None, ttl_s=60.0) -> Snapshot:
+def snapshot(session_id="s1", turns=1, last_used=None, ttl_s=60.0, image_rows=0) -> Snapshot:
+    """A state; with ``image_rows``, of a session with one (unshared) image of that many."""
     last_used = time.time() if last_used is None else last_used
-    return Snapshot(session_id, [1, 2, 3], [{"role": "user"}], turns, last_used, ttl_s)
+    images = ((None, image_rows),) if image_rows else ()
+    return Snapshot(session_id, [1, 2, 3], [{"role": "user"}], turns, last_used, ttl_s, images)
 
 
 def test_a_new_engine_continues_a_session_as_if_nothing_happened(demo_model, sample, tmp_path):
@@ -117,19 +120,45 @@ def test_close_and_expiry_remove_entries(demo_model, sample, tmp_path):
 
 
 def test_entries_of_another_model_are_removed_with_a_log_line(tmp_path, caplog):
-    SessionJournal(tmp_path, 1 << 20, "model-b", VOCAB, TTL).save(snapshot(), torch.ones(4, 8))
+    SessionJournal(tmp_path, 1 << 20, "model-b", VOCAB, TTL).save(
+        snapshot(image_rows=4), torch.ones(4, 8)
+    )
     with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
         assert SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL).load(time.time()).live == []
     assert "another model's entry" in caplog.text
     assert not list(tmp_path.iterdir())
 
 
+def test_an_entry_from_before_sessions_held_several_images_is_adopted(demo_model, sample, tmp_path):
+    """A state naming its one image by ``imageKey``, without ``images`` (the layout before a
+    session could hold several), is a session whose open brought that image."""
+    control = new_engine(demo_model, tmp_path / "control")
+    control_id = control.open(sample.image).session_id
+    first = new_engine(demo_model, tmp_path / "tier")
+    opened = first.open(sample.image).session_id
+    model = first.persistent.journal.model
+    first.stop()
+    header, _, _ = SessionJournal(tmp_path / "tier", 1 << 20, model, VOCAB, TTL)._unpack(
+        opened, STATE
+    )
+    [image] = header.pop("images")
+    del header["openingImages"]
+    header["imageKey"] = image["key"]
+    (tmp_path / "tier" / f"{opened}{STATE}").write_bytes(_pack(STATE, header, b""))
+    second = new_engine(demo_model, tmp_path / "tier")
+    session = second.store.session(opened)
+    assert [i.tokens for i in session.holding.images] == [image["tokens"]]
+    assert session.opening_images == 1
+    expected = control.ask(control_id, QUESTIONS[0]).token_ids
+    assert second.ask(opened, QUESTIONS[0]).token_ids == expected
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
 @pytest.mark.parametrize("suffix", [STATE, FEATURES])
 def test_corrupt_or_truncated_entries_are_removed(tmp_path, caplog, damage, suffix):
     journal = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL)
-    journal.save(snapshot("bad"), torch.ones(4, 8))
-    journal.save(snapshot("good"), torch.ones(4, 8))
+    journal.save(snapshot("bad", image_rows=4), torch.ones(4, 8))
+    journal.save(snapshot("good", image_rows=4), torch.ones(4, 8))
     path = tmp_path / f"bad{suffix}"
     data = path.read_bytes()
     damaged = {
@@ -151,7 +180,7 @@ def test_corrupt_or_truncated_entries_are_removed(tmp_path, caplog, damage, suff
 def test_expired_orphaned_and_unfinished_files_are_removed(tmp_path):
     journal = SessionJournal(tmp_path, 1 << 20, MODEL, VOCAB, TTL)
     journal.save(snapshot("old", last_used=time.time() - 120, ttl_s=60))
-    journal.save(snapshot("orphan"), torch.ones(2, 2))
+    journal.save(snapshot("orphan", image_rows=2), torch.ones(2, 2))
     (tmp_path / "orphan.state").unlink()
     (tmp_path / ".tmp-live.state-1-2").write_bytes(b"half")
     journal.save(snapshot("live"))
@@ -171,11 +200,13 @@ def test_the_directory_never_grows_past_its_cap(tmp_path, caplog):
     (tmp_path / "probe").mkdir()
     (tmp_path / "cap").mkdir()
     probe = SessionJournal(tmp_path / "probe", 1 << 20, MODEL, VOCAB, TTL)
-    probe.save(snapshot("probe"), torch.ones(64, 64))
+    probe.save(snapshot("probe", image_rows=64), torch.ones(64, 64))
     per_session = probe.total_bytes
     journal = SessionJournal(tmp_path / "cap", int(per_session * 2.5), MODEL, VOCAB, TTL)
     with caplog.at_level(logging.WARNING, "llava.sessions.persist"):
-        kept = [journal.save(snapshot(f"s{i}"), torch.ones(64, 64)) for i in range(4)]
+        kept = [
+            journal.save(snapshot(f"s{i}", image_rows=64), torch.ones(64, 64)) for i in range(4)
+        ]
     assert kept == [True, True, False, False]
     assert "directory is full" in caplog.text
     assert sum(p.stat().st_size for p in (tmp_path / "cap").iterdir()) <= journal.max_bytes

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llava.errors import SessionNotFound
-from llava.kv.holding import Tier
+from llava.kv.holding import NewImage, Tier
 from llava.kv.memory import MemoryManager
 from llava.kv.prefix import block_keys
 from llava.sessions.session import Session
@@ -24,7 +24,7 @@ IMAGE_TOKEN = -1
 def family(index: int, blocks: int) -> tuple[list[int], list[bytes]]:
     """A prefix of ``blocks`` full blocks (its ids and content keys) that sessions share."""
     ids = [1000 * index + i for i in range(blocks * BLOCK_TOKENS)]
-    return ids, block_keys(ids, BLOCK_TOKENS, None, IMAGE_TOKEN)
+    return ids, block_keys(ids, BLOCK_TOKENS, [], IMAGE_TOKEN)
 
 
 def fill(memory: MemoryManager, holding, upto: int, value: float) -> None:
@@ -114,12 +114,14 @@ def test_moving_a_sharer_down_frees_only_what_no_one_else_needs():
 def test_features_of_one_image_are_held_once():
     memory = new_memory(blocks=20)
     features = torch.randn(40, FEATURE_HIDDEN)  # 2 blocks
-    first = memory.hold(b"image")
-    assert memory.start(first, 1, features=features) is None
-    second = memory.hold(b"image")
-    assert memory.share_features(second) and second.feature_blocks == first.feature_blocks
+    first = memory.hold()
+    assert memory.start(first, 1, image=NewImage(b"image", features)) is None
+    second = memory.hold()
+    assert memory.image_shape(b"image") == (40, FEATURE_HIDDEN)
+    assert memory.start(second, 1, image=NewImage(b"image")) is None  # nothing to store
+    assert second.feature_blocks == first.feature_blocks
     assert torch.equal(memory.features(second), features)
-    assert not memory.share_features(memory.hold(b"another image"))
+    assert memory.image_shape(b"another image") is None
     assert memory.stats().bytes_by_tier[Tier.FEATURES] == 2 * memory.pool.bytes_per_block
     memory.release(first)
     assert torch.equal(memory.features(second), features)
@@ -160,12 +162,13 @@ def test_the_books_hold_with_shared_prefixes_under_random_pressure(operations):
             f = rng.randrange(3)
             ids, keys = families[f]
             image = rng.randrange(8)  # 2 blocks of features, held once per image
-            holding = memory.hold(b"image %d" % image)
+            holding, key = memory.hold(), b"image %d" % image
             features = None
-            if not memory.share_features(holding):
+            if memory.image_shape(key) is None:
                 features = torch.full((40, FEATURE_HIDDEN), float(50 + image))
             own = rng.randint(1, 6)
-            if memory.start(holding, len(ids) + own, prefix=keys, features=features) is not None:
+            new_image = NewImage(key, features)
+            if memory.start(holding, len(ids) + own, prefix=keys, image=new_image) is not None:
                 memory.release(holding)
                 shortfalls += 1
                 continue
@@ -218,3 +221,19 @@ def test_the_books_hold_with_shared_prefixes_under_random_pressure(operations):
     assert counters.feature_hits > operations // 20, counters
     assert counters.moved_to_host > 0 and counters.restored > 0, counters
     assert asked > operations // 10, (asked, shortfalls)
+
+
+def test_a_blocks_key_names_every_image_whose_tokens_it_holds():
+    """Blocks of 2: [text, a] [a, a] [b, text] [b, b] [text, text] with images a (3 tokens) and
+    b (3): changing b changes the keys from the first block holding its tokens on, not before;
+    a prompt showing more image tokens than its images hold is refused."""
+    ids = [5, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, 6, IMAGE_TOKEN, IMAGE_TOKEN, 7, 8]
+    keys = block_keys(ids, BLOCK_TOKENS, [(b"a", 3), (b"b", 3)], IMAGE_TOKEN)
+    other_b = block_keys(ids, BLOCK_TOKENS, [(b"a", 3), (b"c", 3)], IMAGE_TOKEN)
+    assert keys[:2] == other_b[:2]
+    assert all(x != y for x, y in zip(keys[2:], other_b[2:], strict=True))
+    assert keys[:1] != block_keys(ids, BLOCK_TOKENS, [(b"z", 3), (b"b", 3)], IMAGE_TOKEN)[:1]
+    # keys grown from known ones count the image tokens already behind them
+    assert block_keys(ids, BLOCK_TOKENS, [(b"a", 3), (b"b", 3)], IMAGE_TOKEN, keys[:3]) == keys
+    with pytest.raises(ValueError, match="more image tokens"):
+        block_keys(ids, BLOCK_TOKENS, [(b"a", 3)], IMAGE_TOKEN)

@@ -160,7 +160,7 @@ def test_every_request_the_seeds_client_sends_is_accepted_verbatim():
     [
         ({"requestType": "NEW_SESSION", "imgae": {"url": "https://x.test/a.png"}}, "'imgae'"),
         ({"requestType": "NEW_SESSION", "max_new_tokens": 5}, "'max_new_tokens'"),
-        ({"requestType": "SESSION", "inputs": "Hi", "image": {"b64": "AA=="}}, "'image'"),
+        ({"requestType": "SESSION", "inputs": "Hi", "images": [{"b64": "AA=="}]}, "'images'"),
         ({"requestType": "SESSION", "inputs": "Hi", "temperature": 0.7}, "'temperature'"),
         ({"requestType": "CLOSE_SESSION", "inputs": "Hi"}, "'inputs'"),
         ({"requestType": "CANCEL_TURN", "stream": True}, "'stream'"),
@@ -177,10 +177,64 @@ def test_a_key_the_request_type_does_not_take_is_a_400_naming_it_and_the_accepte
     assert err.value.message.endswith(f"it takes {accepted}")
 
 
-def test_an_image_sent_with_a_question_is_told_where_images_go():
-    body = {"requestType": "SESSION", "inputs": "And this one?", "image": {"b64": "AA=="}}
-    with pytest.raises(InvalidRequest, match="open a new session for another"):
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"url": "https://example.com/dog.png"},
+        {"s3": "s3://bucket/images/dog.png"},
+        {"b64": "iVBORw0KGgo="},
+        {"b64": "data:image/png;base64,iVBORw0KGgo="},
+    ],
+    ids=["url", "s3", "b64", "data-uri"],
+)
+def test_an_image_sent_with_a_question_goes_to_the_turn_as_an_opens_would(source):
+    body = {"requestType": "SESSION", "inputs": "And this one?", "image": source}
+    request = parse_request(body, {SESSION_HEADER: SID})
+    assert request == AskSession(SID, "And this one?", None, False, image=source)
+    opened = parse_request({"requestType": "NEW_SESSION", "image": source}, {})
+    assert opened.image == request.image
+    streamed = parse_request({**body, "stream": True, "rewind_turns": 1}, {SESSION_HEADER: SID})
+    assert (streamed.image, streamed.stream, streamed.rewind_turns) == (source, True, 1)
+
+
+def test_a_question_without_an_image_or_with_a_null_one_adds_none():
+    for body in ({"inputs": "Hi"}, {"inputs": "Hi", "image": None}):
+        request = parse_request({"requestType": "SESSION", **body}, {SESSION_HEADER: SID})
+        assert request.image is None
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "https://example.com/dog.png",  # a bare string, not a source object
+        {},
+        {"url": "https://a.test/x.png", "b64": "AA=="},  # two sources
+        {"file": "/etc/passwd"},
+        {"url": ""},
+        {"url": 5},
+        {"url": "relative/dog.png"},
+        {"url": "https://example.com/a dog.png"},
+        {"url": "https://example.com/" + "a" * 9000},
+        {"s3": "https://bucket/key"},
+        {"s3": "s3://bucket-only"},
+        [{"b64": "AA=="}],
+    ],
+)
+def test_a_bad_image_source_on_a_question_is_refused_as_an_open_refuses_it(source):
+    """The intake's own check (llava.intake.parse_image_source), its code and words, before
+    anything is fetched or the session is touched."""
+    body = {"requestType": "SESSION", "inputs": "And this one?", "image": source}
+    with pytest.raises(EngineError) as on_a_turn:
         parse_request(body, {SESSION_HEADER: SID})
+    with pytest.raises(EngineError) as on_an_open:
+        parse_request({"requestType": "NEW_SESSION", "image": source}, {})
+    assert type(on_a_turn.value) is type(on_an_open.value)
+    assert (on_a_turn.value.code, on_a_turn.value.message) == (
+        on_an_open.value.code,
+        on_an_open.value.message,
+    )
+    assert on_a_turn.value.code == "INVALID_REQUEST" and "image" in on_a_turn.value.message
+    assert error_response(on_a_turn.value).status == 400
 
 
 def test_a_rewind_goes_to_the_engine_as_sent():

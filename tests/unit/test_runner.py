@@ -55,7 +55,7 @@ class Subject:
         opening = self.prompt.opening_ids(features is not None, tokens)
         out, history = [(opening, features)], opening
         for turn, question in enumerate(questions):
-            message = user_message(question, with_image=features is not None and turn == 0)
+            message = user_message(question, images=int(features is not None and turn == 0))
             messages = [
                 user_message(q, features is not None and i == 0)
                 for i, q in enumerate(questions[:turn])
