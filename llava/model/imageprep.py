@@ -66,3 +66,11 @@ def prepare_image(image: Image.Image, mode: str | None, image_processor) -> Imag
     if mode != PAD or image.width == image.height:
         return image
     return pad_to_square(image.convert("RGB"), mean_fill(image_processor))
+
+
+def prepared_size(image: Image.Image, mode: str | None) -> tuple[int, int]:
+    """The (width, height) ``prepare_image`` gives ``image``, without preparing it."""
+    if mode != PAD:
+        return image.size
+    side = max(image.size)
+    return side, side

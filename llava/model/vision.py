@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from llava.model.imageprep import prepare_image
+from llava.model.imageprep import prepare_image, prepared_size
 
 # What the model's get_image_features takes from the processor's output (NeXT adds image_sizes).
 VISION_INPUTS = ("pixel_values", "image_sizes")
@@ -50,8 +50,7 @@ def image_tokens(processor, width: int, height: int) -> int:
 def image_tokens_of(image: Image.Image, processor, aspect_mode: str | None) -> int:
     """How many image tokens the checkpoint's processor puts in the prompt for ``image``, as
     ``vision_inputs`` prepares it: known before its features are computed."""
-    prepared = prepare_image(image, aspect_mode, processor.image_processor)
-    return image_tokens(processor, prepared.width, prepared.height)
+    return image_tokens(processor, *prepared_size(image, aspect_mode))
 
 
 def most_image_tokens(processor) -> int:

@@ -11,7 +11,14 @@ from PIL import Image, ImageDraw
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
-from llava.model.imageprep import PAD, image_aspect_ratio, mean_fill, pad_to_square, prepare_image
+from llava.model.imageprep import (
+    PAD,
+    image_aspect_ratio,
+    mean_fill,
+    pad_to_square,
+    prepare_image,
+    prepared_size,
+)
 
 
 def wide_orange_circle() -> Image.Image:
@@ -42,6 +49,15 @@ def test_square_images_and_checkpoints_without_the_key_are_left_alone(demo_model
     wide = wide_orange_circle()
     assert prepare_image(wide, None, processor) is wide
     assert image_aspect_ratio(object()) is None  # no key: the processor's own behaviour
+
+
+@pytest.mark.parametrize("mode", [PAD, None])
+@pytest.mark.parametrize("size", [(50, 50), (80, 30), (30, 81)])
+def test_the_prepared_size_is_known_without_preparing(demo_model, mode, size):
+    """What a turn's image-token count is taken from, before its features exist."""
+    image = Image.new("RGB", size)
+    prepared = prepare_image(image, mode, demo_model.processor.image_processor)
+    assert prepared_size(image, mode) == prepared.size
 
 
 def test_an_unknown_mode_is_a_one_line_settings_error_at_load():
