@@ -227,8 +227,7 @@ class MemoryManager:
             if shortfall is not None:
                 return shortfall
             kv.reserve(extra_tokens)
-            with self._retiering(holding):
-                self._add_new(holding, image, shared)
+            self._add_new(holding, image, shared)  # its tier stays KV
             return None
 
     def publish(self, holding: Holding, keys: list[bytes]) -> None:
@@ -345,9 +344,8 @@ class MemoryManager:
         may_drop: bool,
     ) -> Shortfall | None:
         # shared blocks are taken first, so the room made for the rest cannot reclaim them
-        if holding.parked and len(features) != len(holding.images):
-            raise ValueError("a parked session's features must come back with it")
-        parked = [(held, features[i]) for i, held in enumerate(holding.images) if not held.blocks]
+        given = dict(enumerate(features))  # one per image, or none when nothing is parked
+        parked = [(held, given.get(i)) for i, held in enumerate(holding.images) if not held.blocks]
         if any(f is None for _, f in parked):
             raise ValueError("a parked session's features must come back with it")
         shared = self._features.share_new(image)

@@ -3,9 +3,9 @@
 A full block's key is a SHA-256 chained over everything its KV depends on: the key of the
 block before it, its token ids and, when it holds image tokens, the content key of each image
 they belong to (a hash of the decoded pixels and of everything that changes its features:
-never a URL). Two
-blocks with one key hold the same KV, so a session whose prompt starts with another's full
-blocks reuses them read-only instead of computing them (docs/engine/memory.md §Shared prefixes).
+never a URL). Two blocks with one key hold the same KV, so a session whose prompt starts with
+another's full blocks reuses them read-only instead of computing them (docs/engine/memory.md
+§Shared prefixes).
 
 Who may find a block is in its key too: every key of a tenant's session is salted with the
 tenant (``scoped``), so tenants share nothing, and the keys of blocks that hold a caller's
