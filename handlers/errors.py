@@ -22,6 +22,10 @@ STATUS_BY_ERROR: dict[type[errors.EngineError], int] = {
     errors.ShardFailed: 500,  # the server failed the turn; the session's history is kept
     errors.NoCapacity: 503,  # and its subclass Busy (KV_MEMORY_FULL), which says when to retry
     errors.TurnInterrupted: 503,  # the worker died during the request: retry after the restart
+    errors.RecordNotFound: 404,  # resuming a session (docs/wire.md §Resuming a session)
+    errors.RecordExpired: 410,
+    errors.RecordCorrupt: 422,
+    errors.RecordForeign: 409,
 }
 INTERNAL_ERROR_STATUS = 500  # anything else: a bug
 

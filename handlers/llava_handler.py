@@ -18,12 +18,13 @@ import asyncio
 import json
 import logging
 import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from handlers.errors import error_response
 from handlers.service import LlavaService
 from handlers.worker_socket import lock_worker_socket
-from llava.errors import Overloaded
+from llava.errors import Overloaded, log_id
 
 logger = logging.getLogger(__name__)
 # What a worker whose engine can serve nothing more exits with: not 0, so the supervisor
@@ -44,6 +45,7 @@ class LlavaHandler:
         self.service.engine.on_fatal = end_worker
         self.limit = self.service.config.max_requests_in_flight
         self.pool = ThreadPoolExecutor(self.limit, thread_name_prefix="request")
+        flush_on_sigterm(self.service)
 
     async def handle(self, data, context) -> list[str]:
         """One reply per row, and never an exception: in 0.12's async mode an exception that
@@ -80,6 +82,28 @@ def end_worker(error: BaseException) -> None:
     (docs/serving.md §Supervisor: restart the whole instance)."""
     logger.critical("ending the worker, its engine can serve nothing more: %r", error)
     os._exit(ENGINE_LOST_EXIT_CODE)
+
+
+def flush_on_sigterm(service: LlavaService) -> None:
+    """On SIGTERM (SageMaker's scale-in or update: SIGKILL follows 30 s later; a supervisor
+    stopping the instance) the worker writes every session the durable store does not hold in
+    its latest state yet, for at most ``durable_flush_s``, logs the ids it could not, and
+    exits 0 (docs/engine/sessions.md §Durable store). ``initialize`` runs in the worker's main
+    thread, the only one that may set a signal's handler."""
+    timeout_s = service.config.durable_flush_s
+
+    def on_sigterm(signum, frame) -> None:
+        left = service.engine.flush_durable(timeout_s)
+        for session_id in left:
+            logger.error("durable store: session %s not written before exit", log_id(session_id))
+        logger.info("SIGTERM: durable store flushed, %d sessions left unwritten", len(left))
+        logging.shutdown()
+        os._exit(0)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: a stop then loses what is not written yet
+        logger.warning("SIGTERM handler not set: not in the worker's main thread")
 
 
 def _error_reply(exc: BaseException, idx: int, context) -> str:

@@ -42,6 +42,10 @@ _COUNTERS = {
     ("runner", "attention_fallbacks"): "AttentionFallbacks",
     ("runner", "graph_capture_failures"): "GraphCaptureFailures",
     ("runner", "compile_fallbacks"): "CompileFallbacks",
+    ("durable", "writes"): "DurableRecordWrites",
+    ("durable", "feature_writes"): "DurableFeatureWrites",
+    ("durable", "deletes"): "DurableRecordDeletes",
+    ("durable", "failures"): "DurableStoreFailures",
 }
 
 # Latency bins: 10^(k/20) s for k in -60..39 (1 ms to 89 s), each within 6 % of what it holds.
@@ -75,6 +79,9 @@ class SessionMetrics:
         self._new = add("TurnNewTokens", "count", [], MetricTypes.COUNTER)
         self._cached = add("TurnCachedTokens", "count", [], MetricTypes.COUNTER)
         self._budget = add("MemoryBudgetBytes", "bytes", ["Shard", "Memory"], MetricTypes.GAUGE)
+        # the durable store's write-behind: sessions not written yet, and the oldest one's wait
+        self._durable_pending = add("DurablePendingSessions", "count", ["Shard"], MetricTypes.GAUGE)
+        self._durable_lag = add("DurableLagSeconds", "s", ["Shard"], MetricTypes.GAUGE)
         self._counters = {
             key: add(metric, "count", ["Shard"], MetricTypes.COUNTER)
             for key, metric in _COUNTERS.items()
@@ -112,6 +119,8 @@ class SessionMetrics:
             ("host", budget.host_bytes),
         ):
             self._budget.add_or_update(nbytes, [dim, memory])
+        self._durable_pending.add_or_update(stats.durable.pending, [dim])
+        self._durable_lag.add_or_update(stats.durable.lag_s, [dim])
         for key, metric in self._counters.items():
             value = getattr(getattr(stats, key[0]), key[1])
             increase = value - self._last.get((shard.shard, *key), 0)

@@ -43,6 +43,7 @@ class OpenSession:
     session_id: str | None = None  # the client's own id (extSessionID), or None: we pick one
     system: Any = None  # the session's system prompt (checked by the engine), None: the default
     tenant: str | None = None  # its sessions share nothing with another tenant's
+    resume_from: str | None = None  # continue this session from the durable store instead
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ _ASK_KEYS = ("inputs", "parameters", "sampling_params")
 # The top-level keys each request type reads (docs/wire.md §Request bodies). "stream" is
 # accepted on an open too: its reply is one small object either way.
 ACCEPTED_KEYS = {
-    NEW_SESSION: ("requestType", "image", "extSessionID", "system", "stream"),
+    NEW_SESSION: ("requestType", "image", "extSessionID", "system", "stream", "resumeFrom"),
     SESSION: (
         "requestType",
         "inputs",
@@ -235,6 +236,15 @@ def _open(
             code=INPUTS_WITHOUT_SESSION,
         )
     _check_keys(payload, NEW_SESSION)
+    resume_from = _checked_id(payload.get("resumeFrom"), "'resumeFrom'")
+    if resume_from is not None:  # the record holds its images and system prompt
+        given = [key for key in ("image", "system") if key in payload]
+        if given:
+            raise InvalidRequest(
+                f"a resume takes its session's images and system prompt from its record: "
+                f"leave out {', '.join(given)} with 'resumeFrom'"
+            )
+        return OpenSession(None, from_body, None, tenant, resume_from)
     return OpenSession(_image_source(payload), from_body, payload.get("system"), tenant)
 
 

@@ -102,20 +102,31 @@ class LlavaService:
         _metrics_never_fail(lambda: self.metrics.store(self.engine.stats()))
 
     def _open(self, request: OpenSession, reply: _Reply) -> dict:
-        image = None
-        if request.image is not None:
-            image = self.images.load(request.image, fit=self.engine.image_side)
-        opened = self.engine.open(image, request.session_id, request.system, request.tenant)
+        if request.resume_from is not None:  # docs/wire.md §Resuming a session
+            opened = self.engine.resume(request.resume_from, request.session_id, request.tenant)
+        else:
+            image = None
+            if request.image is not None:
+                image = self.images.load(request.image, fit=self.engine.image_side)
+            opened = self.engine.open(image, request.session_id, request.system, request.tenant)
         value = session_header_value(opened.session_id, opened.expires_at)
         reply.header(SESSION_HEADER, value)
         reply.header(NEW_SESSION_HEADER, value)
-        return {
+        payload = {
             "sessionId": opened.session_id,
             "expiresAt": _iso(opened.expires_at),
             "imageTokens": opened.image_tokens,
             "prefillTokens": opened.prefill_tokens,
             "usage": {"newTokens": opened.prefill_tokens, "cachedTokens": opened.cached_tokens},
         }
+        if opened.resumed is not None:
+            resumed = opened.resumed
+            payload["resumed"] = {
+                "from": resumed.from_session_id,
+                "turns": resumed.turns,
+                "images": resumed.images,
+            }
+        return payload
 
     def _close(self, request: CloseSession, reply: _Reply) -> dict:
         """Idempotent: a session already closed, expired or evicted is acknowledged too, so

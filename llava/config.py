@@ -77,6 +77,14 @@ class EngineConfig:
     # persist_fallback_dir (docs/engine/sessions.md §Persistent tier).
     persist_min_bytes: int = 1 * GiB
     persist_fallback_dir: str | None = None
+    # The durable store behind the persistent tier, so a session outlives its instance
+    # (docs/engine/sessions.md §Durable store): "s3://bucket/prefix", an absolute directory
+    # (a shared file system), or None (off). Its S3 writes are encrypted with this KMS key
+    # (None: S3's own keys); a worker told to stop flushes its pending writes for at most
+    # durable_flush_s (SageMaker kills the container 30 s after SIGTERM).
+    durable_store: str | None = None
+    durable_store_kms_key: str | None = None
+    durable_flush_s: float = 20.0
     # The scheduler (docs/engine/scheduling.md §Mixed or alternating steps): sequences per step
     # (1: one request at a time), prefill ids fed per step across the prefilling requests, and
     # whether a step mixes decode rows with prefill chunks (false: the two kinds alternate).
@@ -138,6 +146,9 @@ class EngineConfig:
                 f"{self.default_max_new_tokens} is over max_new_tokens_limit "
                 f"({self.max_new_tokens_limit})",
             )
+        if self.durable_store is not None and self.persist_dir is None:
+            problem = "needs the persistent tier (persist_dir): a resumed session is kept there"
+            raise SettingsError("durable_store", problem)
         from llava.intake.policy import IntakePolicy  # the policy owns its keys and ranges
 
         try:
@@ -171,6 +182,10 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
     return (lambda value: value in choices), f"one of {', '.join(choices)}"
 
 
+# S3's bucket names (3-63 lowercase letters, digits, dots, hyphens) and a prefix of safe key
+# characters; or an absolute path.
+_DURABLE_STORE = re.compile(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*'()/-]*)?|/.*")
+_KMS_KEY = re.compile(r"[A-Za-z0-9:/_.-]{1,2048}")
 _DEVICE = re.compile(r"auto|(cpu|cuda(:\d+)?)(,(cpu|cuda(:\d+)?))*")
 
 # field → (check, what the value must be): one entry per EngineConfig field.
@@ -212,6 +227,15 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v is None or (isinstance(v, str) and os.path.isabs(v)),
         "null (none) or an absolute directory path",
     ),
+    "durable_store": (
+        lambda v: v is None or (isinstance(v, str) and bool(_DURABLE_STORE.fullmatch(v))),
+        "null (off), s3://<bucket>/<prefix> or an absolute directory path",
+    ),
+    "durable_store_kms_key": (
+        lambda v: v is None or (isinstance(v, str) and bool(_KMS_KEY.fullmatch(v))),
+        "null (S3's own keys) or a KMS key id, alias or ARN",
+    ),
+    "durable_flush_s": (lambda v: _number(v) and 0 < v <= 30, "a number of seconds in (0, 30]"),
     "max_batch": (_positive_int, "an integer > 0"),
     "prefill_chunk_tokens": (_positive_int, "an integer > 0"),
     "mixed_steps": (lambda v: isinstance(v, bool), "true or false"),

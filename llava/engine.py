@@ -12,16 +12,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from PIL import Image
 
 from llava.config import EngineConfig, SettingsError
-from llava.errors import InvalidRequest, echo
+from llava.errors import (
+    DurableStoreOff,
+    EngineError,
+    InvalidRequest,
+    RecordNotFound,
+    SessionNotFound,
+    echo,
+    log_id,
+)
 from llava.exec.runner import PagedAttentionFailed, Runner, RunnerCounters, StepInput
 from llava.kv.budget import MemoryBudget, memory_budget, session_feature_bytes, session_kv_bytes
 from llava.kv.holding import NewImage, Tier
@@ -43,12 +52,16 @@ from llava.sampling.params import GenerationParams
 from llava.sampling.sampler import Sampler
 from llava.sched.loop import EngineLoop
 from llava.sched.scheduler import Scheduler
-from llava.sched.work import Answer, Opened, OpenRequest, RequestContext, TurnRequest
+from llava.sched.work import Answer, Opened, OpenRequest, RequestContext, Resumed, TurnRequest
+from llava.sessions.durable import DurableSessions, Record
 from llava.sessions.lease import AddedImage, Leases
 from llava.sessions.location import Location, open_journal, persistence
+from llava.sessions.objects import open_objects
 from llava.sessions.persist import model_identity
+from llava.sessions.record import Snapshot
 from llava.sessions.store import SessionStore, StoreCounters, full_session_id
 from llava.sessions.tier import PersistentTier
+from llava.sessions.writeback import DurableCounters
 
 __all__ = ["Answer", "Engine", "EngineStats", "KeyedImage", "Opened"]
 logger = logging.getLogger(__name__)
@@ -96,6 +109,7 @@ class EngineStats:
     store: StoreCounters
     memory: MemoryCounters
     runner: RunnerCounters
+    durable: DurableCounters  # the durable store's writer (all zero without one)
 
     @property
     def sessions(self) -> int:
@@ -128,7 +142,13 @@ class Engine:
         identity = model_identity(loaded.model, loaded.dtype, kept_weights_digest(loaded, location))
         vocab_size = text_config.vocab_size
         journal = open_journal(location, identity, vocab_size, config.session_ttl_s)
-        self.persistent = PersistentTier(journal, self.memory, config.session_ttl_s)
+        # the durable store behind it (docs/engine/sessions.md §Durable store), tried now
+        self.durable = None
+        if config.durable_store is not None:
+            objects = open_objects(config.durable_store, config.durable_store_kms_key)
+            self.durable = DurableSessions(objects, identity, vocab_size)
+        self.persistent = PersistentTier(journal, self.memory, config.session_ttl_s, self.durable)
+        self._adopting = threading.Lock()  # one adoption from the durable store at a time
         self.store = SessionStore(
             self.memory,
             ttl_s=config.session_ttl_s,
@@ -321,6 +341,7 @@ class Engine:
         )
         question = self._check_question(question)
         _check_rewind(rewind_turns)
+        self._adopt_unknown(session_id)
         added = None if image is None else self._added_image(session_id, image)
         request = TurnRequest(
             self.context,
@@ -337,8 +358,44 @@ class Engine:
             return self.loop.submit(request)
 
     def close(self, session_id: str) -> str | None:
-        """None if this closed it; else why it was already gone (see SessionStore.close)."""
-        return self.store.close(session_id)
+        """None if this closed it; else why it was already gone (see SessionStore.close).
+        With a durable store, its record goes too, held here or not."""
+        gone = self.store.close(session_id)
+        if gone is not None and self.persistent.writer is not None:
+            self.persistent.writer.forget(session_id)  # perhaps live elsewhere before
+        return gone
+
+    def resume(
+        self, from_session_id: str, session_id: str | None = None, tenant: str | None = None
+    ) -> Opened:
+        """Continue a session another instance (or this one) wrote to the durable store, under
+        a new id: its record read and checked (each refusal its own error), its images'
+        features taken from this pool where it holds them, else from the store, and the
+        session kept parked here; its next turn recomputes its KV from them, no vision tower
+        run (docs/engine/sessions.md §Durable store). ``session_id``, ``tenant``: as ``open``'s.
+        The record it came from goes once the new one is written."""
+        durable = self._durable()
+        _check_tenant(tenant)
+        session_id = full_session_id(session_id)
+        self.store.check_id_free(session_id)
+        record = durable.read(from_session_id, time.time())
+        if record.snapshot.tenant != tenant:  # another tenant's: as if there were none
+            raise RecordNotFound(f"no record of session {from_session_id} for this tenant")
+        snapshot = self._continue(record, session_id, from_session_id)
+        session = self.store.session(session_id)
+        return Opened(
+            session_id,
+            self.store.expires_at(session),
+            prefill_tokens=0,
+            image_tokens=session.image_tokens,
+            resumed=Resumed(from_session_id, snapshot.turns, len(snapshot.images)),
+        )
+
+    def flush_durable(self, timeout_s: float) -> list[str]:
+        """Wait, at most ``timeout_s``, until every committed state is in the durable store;
+        the ids whose latest state is not (none without a durable store)."""
+        writer = self.persistent.writer
+        return [] if writer is None else writer.flush(timeout_s)
 
     def reap(self) -> int:
         """Free the expired idle sessions now; how many went (llava.sessions.reaper)."""
@@ -401,6 +458,7 @@ class Engine:
             counters,
             memory.counters,
             self.runner.counters(),
+            self.persistent.writer.counters() if self.persistent.writer else DurableCounters(),
         )
 
     def check_integrity(self) -> None:
@@ -409,8 +467,65 @@ class Engine:
         self.store.check_integrity()
 
     def stop(self) -> None:
-        """End the loop thread (what it still runs or holds fails); for a clean exit."""
+        """End the loop thread (what it still runs or holds fails) and the durable store's
+        writer (what it has not written stays unwritten: ``flush_durable`` first)."""
         self.loop.stop(wait=True)
+        self.persistent.stop()
+
+    # -- the durable store ------------------------------------------------------------------
+    def _durable(self) -> DurableSessions:
+        if self.durable is None:
+            raise DurableStoreOff(
+                "this endpoint keeps no durable store (the durable_store setting), so no "
+                "session can be resumed here: open a new one"
+            )
+        return self.durable
+
+    def _continue(self, record: Record, session_id: str, replaces: str | None) -> Snapshot:
+        """Keep the record's session here as ``session_id``, parked with its features."""
+        features = [
+            self._image_features(key, tokens, name)
+            for (key, tokens), name in zip(record.snapshot.images, record.features, strict=True)
+        ]
+        snapshot = replace(
+            record.snapshot,
+            session_id=session_id,
+            last_used_wall=time.time() if replaces else record.snapshot.last_used_wall,
+            ttl_s=self.config.session_ttl_s,
+        )
+        shares = self.config.prefix_sharing != "off"
+        with self.store.opening():
+            self.persistent.take(self.store, snapshot, features, shares, replaces=replaces)
+        return snapshot
+
+    def _image_features(self, key: str | None, tokens: int, name: str) -> torch.Tensor:
+        """An image's features: this pool's copy where it holds them, else the store's."""
+        if key is not None and self.config.prefix_sharing != "off":
+            held = self.memory.image_features(bytes.fromhex(key))
+            if held is not None and held.shape[0] == tokens:
+                return held
+        return self._durable().features(name, tokens)
+
+    def _adopt_unknown(self, session_id: str) -> None:
+        """An id this engine neither holds nor remembers, but the durable store does (its
+        instance went, and the router sent its call here): adopted under the same id, with
+        its expiry, before the turn. Without a record it stays unknown (SessionNotFound)."""
+        if self.durable is None or self.store.remembers(session_id):
+            return
+        with self._adopting:  # two calls of one id at once: one adoption
+            if self.store.remembers(session_id):
+                return
+            try:
+                record = self.durable.read(session_id, time.time())
+            except RecordNotFound:
+                return  # the store's answer below: unknown
+            except EngineError as refused:  # expired, corrupt, foreign: say why, as gone
+                raise SessionNotFound(
+                    f"session {session_id} is not held here, and its record cannot be "
+                    f"resumed: {refused.message}"
+                ) from None
+            self._continue(record, session_id, replaces=None)
+            logger.info("durable store: adopted session %s", log_id(session_id))
 
     # -- helpers ---------------------------------------------------------------------------
     def _pixels(self, image: Image.Image) -> dict[str, torch.Tensor]:

@@ -119,6 +119,44 @@ class TurnInterrupted(EngineError):
         self.retry_after_s = retry_after_s
 
 
+class DurableStoreOff(InvalidRequest):
+    """A resume asked of a server with no durable store (the ``durable_store`` setting)."""
+
+    code = "DURABLE_STORE_OFF"
+
+
+class DurableStoreUnavailable(RetryLater):
+    """The durable store did not answer a resume: retry after ``retry_after_s`` (HTTP 503)."""
+
+    code = "DURABLE_STORE_UNAVAILABLE"
+
+
+class RecordNotFound(EngineError):
+    """The durable store holds no record of that session (never written, closed, resumed
+    already, or reclaimed) (HTTP 404)."""
+
+    code = "SESSION_RECORD_NOT_FOUND"
+
+
+class RecordExpired(EngineError):
+    """The session's record is past its TTL: it is never resumed (HTTP 410)."""
+
+    code = "SESSION_RECORD_EXPIRED"
+
+
+class RecordCorrupt(EngineError):
+    """The session's record, or its features, are not whole (checksum, shape) (HTTP 422)."""
+
+    code = "SESSION_RECORD_CORRUPT"
+
+
+class RecordForeign(EngineError):
+    """The session's record belongs to another model (HTTP 409): a resume needs the same
+    checkpoint and dtype."""
+
+    code = "SESSION_RECORD_FOREIGN"
+
+
 # The most of any input an error message repeats (docs/wire.md §Echo cap).
 ECHO_CHARS = 80
 

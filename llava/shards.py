@@ -135,12 +135,46 @@ class ShardedEngine:
         system: str | None = None,
         tenant: str | None = None,
     ) -> Opened:
-        """Open on the placed shard. The id (``full_session_id``: the caller's, perhaps with a
-        random part, or a new one) is bound to that shard before any model work, so an id is
-        unique across the shards. The image is keyed once, here (``Engine.keyed_image``)."""
+        """Open on the placed shard (``_start``). The image is keyed once, here
+        (``Engine.keyed_image``)."""
         if image is not None and not isinstance(image, KeyedImage):
             image = self.shards[0].keyed_image(image, tenant)
-        holder = self._holder_of(image)
+        return self._start(
+            session_id,
+            self._holder_of(image),
+            lambda engine, new_id: engine.open(image, new_id, system, tenant),
+        )
+
+    def resume(
+        self, from_session_id: str, session_id: str | None = None, tenant: str | None = None
+    ) -> Opened:
+        """``Engine.resume`` on the placed shard, its new id bound as an open's is."""
+        return self._start(
+            session_id,
+            None,
+            lambda engine, new_id: engine.resume(from_session_id, new_id, tenant),
+            learn=False,  # parked: it holds no device bytes until its next turn
+        )
+
+    def flush_durable(self, timeout_s: float) -> list[str]:
+        """Every shard's ``Engine.flush_durable`` within one ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        left: list[str] = []
+        for engine in self.shards:
+            left += engine.flush_durable(max(0.0, deadline - time.monotonic()))
+        return left
+
+    def _start(
+        self,
+        session_id: str | None,
+        holder: int | None,
+        start: Callable[[Engine, str], Opened],
+        learn: bool = True,
+    ) -> Opened:
+        """Start a session on the placed shard. The id (``full_session_id``: the caller's,
+        perhaps with a random part, or a new one) is bound to that shard before any model
+        work, so an id is unique across the shards. ``learn``: what it holds now is what an
+        open in flight counts (``_open_bytes``)."""
         session_id = full_session_id(session_id)
         with self._lock:
             self._check_id_free(session_id)
@@ -150,8 +184,9 @@ class ShardedEngine:
         engine = self.shards[index]
         try:
             with self._running(index):
-                opened = self._call(index, engine.open, image, session_id, system, tenant)
-            self._learn_open_bytes(engine, session_id)
+                opened = self._call(index, start, engine, session_id)
+            if learn:
+                self._learn_open_bytes(engine, session_id)
             return opened
         except BaseException:
             with self._lock:

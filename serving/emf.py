@@ -35,7 +35,8 @@ NAMESPACE = "StatefulLlava"
 ENDPOINT_ENV = "SERVE_ENDPOINT_NAME"
 LOCAL_ENDPOINT = "local"  # unset: a container run outside deploy (the container tier, by hand)
 _ENDPOINT_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9])*")  # SageMaker's EndpointName rule
-GAUGES = {"SessionsOpen": "Count", "SessionBytes": "Bytes"}
+# DurableLagSeconds stays per shard on TorchServe's endpoint: a sum over shards means nothing
+GAUGES = {"SessionsOpen": "Count", "SessionBytes": "Bytes", "DurablePendingSessions": "Count"}
 COUNTERS = {
     name: "Count"
     for name in (
@@ -53,6 +54,10 @@ COUNTERS = {
         "AttentionFallbacks",  # the worker degraded: the paged attention failed, sdpa serves
         "GraphCaptureFailures",  # decode graph buckets left eager
         "CompileFallbacks",  # the compiled layer pieces failed: they run eagerly
+        "DurableRecordWrites",  # the durable store's write-behind (docs/engine/sessions.md)
+        "DurableFeatureWrites",
+        "DurableRecordDeletes",
+        "DurableStoreFailures",  # writes or deletes the store failed, each retried
     )
 }
 HISTOGRAMS = {"TurnLatencySeconds": "Seconds", "TurnTimeToFirstTokenSeconds": "Seconds"}

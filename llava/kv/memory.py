@@ -252,6 +252,19 @@ class MemoryManager:
             parts = [self._features.read(image.blocks, image.shape) for image in images]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def image_features(self, image_key: bytes) -> torch.Tensor | None:
+        """A host copy of the features the pool holds for this image (None: it holds none),
+        referenced while they are read so that no one reuses their blocks meanwhile."""
+        with self._lock:
+            found = self._features.share(image_key)
+        if found is None:
+            return None
+        try:
+            return self._features.read(*found).to("cpu")
+        finally:
+            with self._lock:
+                self._features.let_go(found[0])
+
     def crop(self, holding: Holding, length: int) -> int:
         """Keep the first ``length`` KV tokens; whole blocks past them go back to the pool.
         Returns the length kept: less where ``length`` ends inside a shared block

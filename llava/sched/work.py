@@ -99,6 +99,16 @@ class Opened:
     prefill_tokens: int  # computed by this open
     image_tokens: int
     cached_tokens: int = 0  # of the opening prompt, reused from blocks others computed
+    resumed: Resumed | None = None  # a session resumed from the durable store: from what
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resume continued (llava.engine.Engine.resume)."""
+
+    from_session_id: str
+    turns: int
+    images: int
 
 
 @dataclass(frozen=True)

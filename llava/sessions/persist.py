@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import re
-import struct
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -31,14 +30,23 @@ import torch
 
 from llava.errors import log_id
 from llava.files import TEMP_PREFIX, write_atomically
+from llava.sessions.record import (
+    DIGEST_BYTES,
+    BadEntry,
+    Snapshot,
+    image_key,
+    pack,
+    read_snapshot,
+    read_tensor,
+    snapshot_header,
+    tensor_fields,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
 STATE, FEATURES = ".state", ".features"
 _MAGIC = {STATE: b"LLVS", FEATURES: b"LLVF"}
-_HEAD = struct.Struct("<4sII")  # magic, format, header length
-_DIGEST = hashlib.sha256().digest_size
 _FILE_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,255}")
 # Why ids went (closed, expired, evicted), one "<id> <code> <wall time>" line each, so a
 # restarted worker still tells a gone id from one never seen and refuses to reopen it. An id is
@@ -49,28 +57,6 @@ _FILE_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,255}")
 GONE_LOG = "gone.log"
 REMEMBERED_GONE = 10_000
 _REASON = re.compile(r"[A-Z_]{1,40}")
-
-
-class BadEntry(ValueError):
-    """A file that is not a whole, verified entry of this model: never used."""
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A session as committed: what a restarted engine needs to continue it."""
-
-    session_id: str
-    token_ids: list[int]
-    messages: list[dict]
-    turns: int
-    last_used_wall: float  # time.time() of its last commit
-    ttl_s: float
-    # each image's hex content key its features and prefix are shared under (None: not
-    # shared) and its image tokens, in the order the conversation shows them
-    images: tuple[tuple[str | None, int], ...] = ()
-    tenant: str | None = None  # whose sessions it shares with (llava.sessions.session.Sharing)
-    opening_tokens: int = 0  # its first ids that hold no caller text
-    opening_images: int = 0  # images its open brought (llava.sessions.session.Session)
 
 
 @dataclass(frozen=True)
@@ -84,7 +70,7 @@ class Persisted:
 
     @property
     def expires_wall(self) -> float:
-        return self.snapshot.last_used_wall + self.snapshot.ttl_s
+        return self.snapshot.expires_wall
 
 
 class Loaded(NamedTuple):
@@ -102,7 +88,7 @@ def entry_bytes(
     """What one session's entry takes on disk (what the cap counts): its state as
     ``snapshot`` and, with an image, features of that shape (for capacity arithmetic)."""
     model = "0" * 32  # model_identity's length
-    total = len(_pack(STATE, _state_header(model, snapshot, "0" * 2 * _DIGEST), b""))
+    total = len(_pack(STATE, _state_header(model, snapshot, "0" * 2 * DIGEST_BYTES)))
     if features_shape is not None:
         header = _features_header(model, snapshot.session_id, "bfloat16", features_shape)
         rows, hidden = features_shape
@@ -205,8 +191,8 @@ class SessionJournal:
             old = self._entries.get(session_id, _Entry())
             new = _Entry() if none_now else _Entry(old.features_bytes, old.features_digest)
             if features_file is not None:
-                new = _Entry(len(features_file), features_file[-_DIGEST:].hex())
-            state = _pack(STATE, _state_header(self.model, snapshot, new.features_digest), b"")
+                new = _Entry(len(features_file), features_file[-DIGEST_BYTES:].hex())
+            state = _pack(STATE, _state_header(self.model, snapshot, new.features_digest))
             new.state_bytes = len(state)
             if self._total - old.total + new.total > self.max_bytes:
                 return self._drop(session_id, f"the directory is full ({self.max_bytes} bytes)")
@@ -280,10 +266,9 @@ class SessionJournal:
         return self.directory / f"{session_id}{suffix}"
 
     def _features_bytes(self, session_id: str, features: torch.Tensor) -> bytes:
-        data = features.detach().to("cpu").contiguous()
-        dtype = str(data.dtype).removeprefix("torch.")
-        header = _features_header(self.model, session_id, dtype, data.shape)
-        return _pack(FEATURES, header, data.view(torch.uint8).numpy().tobytes())
+        fields, payload = tensor_fields(features)
+        header = _features_header(self.model, session_id, fields["dtype"], fields["shape"])
+        return _pack(FEATURES, header, payload)
 
     def _on_disk(self, entry: Persisted) -> _Entry:
         session_id = entry.snapshot.session_id
@@ -295,37 +280,22 @@ class SessionJournal:
 
     def _read(self, session_id: str) -> Persisted:
         header, _, _ = self._unpack(session_id, STATE)
-        try:
-            snapshot = Snapshot(
-                session_id=header["sessionId"],
-                token_ids=[int(i) for i in header["tokenIds"]],
-                messages=list(header["messages"]),
-                turns=int(header["turns"]),
-                last_used_wall=float(header["lastUsedWall"]),
-                ttl_s=float(header["ttlS"]),
-                images=_images(header.get("images", [])),
-                tenant=_tenant(header.get("tenant")),
-                opening_tokens=_count(header.get("openingTokens", 0), "openingTokens"),
-                opening_images=_count(header.get("openingImages", 0), "openingImages"),
-            )
-            legacy_key = _image_key(header.get("imageKey"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadEntry(f"a state without {e}") from None
-        if snapshot.session_id != session_id:
+        if header.get("sessionId") != session_id:
             raise BadEntry("a state under another session's name")
-        if not all(0 <= i < self.vocab_size for i in snapshot.token_ids):
-            raise BadEntry(f"token ids outside the vocabulary (0..{self.vocab_size - 1})")
+        snapshot = read_snapshot(header, session_id, self.vocab_size)
+        try:
+            legacy_key = image_key(header.get("imageKey"))
+        except ValueError as e:
+            raise BadEntry(f"a state without {e}") from None
         shape = None
-        if header["features"] is not None:
+        if header.get("features") is not None:
             shape = tuple(self._features(session_id, header["features"]).shape)
         if "images" not in header:  # written before a session could hold several images
             images = () if shape is None else ((legacy_key, shape[0]),)
             snapshot = replace(snapshot, images=images, opening_images=len(images))
         if sum(tokens for _, tokens in snapshot.images) != (0 if shape is None else shape[0]):
             raise BadEntry("features that are not its images' (their token counts differ)")
-        if snapshot.opening_images > len(snapshot.images):
-            raise BadEntry("an open's image that is not among its images")
-        return Persisted(snapshot, shape, header["features"])
+        return Persisted(snapshot, shape, header.get("features"))
 
     def features(self, session_id: str) -> torch.Tensor:
         """A kept session's image features, read back and verified (a parked session's next
@@ -340,7 +310,7 @@ class SessionJournal:
         header, payload, found = self._unpack(session_id, FEATURES)
         if found.hex() != digest:
             raise BadEntry("features that are not the ones its state names")
-        return _tensor(header, payload)
+        return read_tensor(header, payload)
 
     def _unpack(self, session_id: str, suffix: str) -> tuple[dict, bytes, bytes]:
         """A verified entry file's header, payload and trailing digest."""
@@ -349,23 +319,7 @@ class SessionJournal:
             data = path.read_bytes()
         except OSError as e:
             raise BadEntry(f"unreadable ({e.strerror or type(e).__name__})") from None
-        if len(data) < _HEAD.size + _DIGEST:
-            raise BadEntry("truncated")
-        body, digest = data[:-_DIGEST], data[-_DIGEST:]
-        magic, version, length = _HEAD.unpack_from(body)
-        if magic != _MAGIC[suffix]:
-            raise BadEntry("not an entry")
-        if hashlib.sha256(body).digest() != digest:
-            raise BadEntry("checksum mismatch (corrupt or truncated)")
-        if version != FORMAT:
-            raise BadEntry(f"format {version}, this server reads {FORMAT}")
-        try:
-            header = json.loads(body[_HEAD.size : _HEAD.size + length])
-        except ValueError:
-            raise BadEntry("an unreadable header") from None
-        if header.get("model") != self.model:
-            raise BadEntry("another model's entry")
-        return header, body[_HEAD.size + length :], digest
+        return unpack(data, _MAGIC[suffix], self.model)
 
     # -- the gone log (the caller holds self._lock, or is load) -----------------------------
     def _note_gone(self, session_id: str, reason: str) -> None:
@@ -419,63 +373,15 @@ class SessionJournal:
 
 
 def _state_header(model: str, snapshot: Snapshot, features_digest: str | None) -> dict:
-    return {
-        "model": model,
-        "sessionId": snapshot.session_id,
-        "tokenIds": snapshot.token_ids,
-        "messages": snapshot.messages,
-        "turns": snapshot.turns,
-        "lastUsedWall": snapshot.last_used_wall,
-        "ttlS": snapshot.ttl_s,
-        "images": [{"key": key, "tokens": tokens} for key, tokens in snapshot.images],
-        "tenant": snapshot.tenant,
-        "openingTokens": snapshot.opening_tokens,
-        "openingImages": snapshot.opening_images,
-        "features": features_digest,
-    }
+    return {"model": model, **snapshot_header(snapshot), "features": features_digest}
 
 
 def _features_header(model: str, session_id: str, dtype: str, shape) -> dict:
     return {"model": model, "sessionId": session_id, "dtype": dtype, "shape": list(shape)}
 
 
-def _image_key(value) -> str | None:
-    if value is not None and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
-        raise ValueError("a well-formed image key")
-    return value
-
-
-def _images(value) -> tuple[tuple[str | None, int], ...]:
-    if not isinstance(value, list) or not all(isinstance(image, dict) for image in value):
-        raise ValueError("a well-formed images list")
-    return tuple((_image_key(image["key"]), _count(image["tokens"], "images")) for image in value)
-
-
-def _tenant(value) -> str | None:
-    if value is not None and not (isinstance(value, str) and value):
-        raise ValueError("a well-formed tenant")
-    return value
-
-
-def _count(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"a well-formed {field}")
-    return value
-
-
-def _pack(suffix: str, header: dict, payload: bytes) -> bytes:
-    text = json.dumps(header, separators=(",", ":")).encode()
-    body = _HEAD.pack(_MAGIC[suffix], FORMAT, len(text)) + text + payload
-    return body + hashlib.sha256(body).digest()
-
-
-def _tensor(header: dict, payload: bytes) -> torch.Tensor:
-    try:
-        dtype = getattr(torch, header["dtype"])
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype)
-        return flat.view(*header["shape"])
-    except (AttributeError, KeyError, TypeError, RuntimeError) as e:
-        raise BadEntry(f"features that do not fit their header ({e})") from None
+def _pack(suffix: str, header: dict, payload: bytes = b"") -> bytes:
+    return pack(_MAGIC[suffix], header, payload)
 
 
 def _discard(path: Path, why: str) -> None:

@@ -161,12 +161,14 @@ class SessionStore:
         self._lock = threading.RLock()
 
     # -- lifecycle -------------------------------------------------------------------------
-    def add(self, session: Session) -> None:
-        """Register an opened session (its holding is the manager's, pinned until now)."""
+    def add(self, session: Session, idle_s: float = 0.0) -> None:
+        """Register an opened session (its holding is the manager's, pinned until now);
+        ``idle_s``: idle that long already (one adopted from the durable store keeps its
+        expiry)."""
         with self._lock:
             self._sweep()
             self.check_id_free(session.session_id)
-            session.last_used = self._clock()
+            session.last_used = self._clock() - idle_s
             self._sessions[session.session_id] = session
             self.memory.adopt(session.holding, session.session_id)
             self._count(opened=1)
