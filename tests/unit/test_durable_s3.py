@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
 from llava.sessions.durable import record_name
-from tests.intake_servers import forbid_non_loopback
+from tests.aws_local import moto_endpoint, local_aws_env
 
 BUCKET = "durable-sessions"
 QUESTIONS = ["What shape is it?", "And its color?", "What color is the shape?"]
@@ -21,28 +20,13 @@ QUESTIONS = ["What shape is it?", "And its color?", "What color is the shape?"]
 
 @pytest.fixture(scope="module")
 def endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture
 def s3(endpoint, monkeypatch):
-    forbid_non_loopback(monkeypatch)
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": "/dev/null",
-        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_ENDPOINT_URL_S3": endpoint,
-    }.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    local_aws_env(monkeypatch, AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL_S3=endpoint)
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
         client.create_bucket(Bucket=BUCKET)

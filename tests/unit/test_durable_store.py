@@ -9,6 +9,7 @@ instances of an endpoint; the S3 tests run the same code against moto's S3 serve
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import threading
 import time
@@ -262,3 +263,37 @@ def test_features_of_one_image_are_one_object_whatever_the_sessions(demo_model, 
     engine.flush_durable(10)
     assert len(names(tmp_path, "features")) == 1
     assert engine.stats().durable.feature_writes == 1
+
+
+def test_the_wire_resume_answers_an_open_that_says_what_it_resumed(demo_model, sample, tmp_path):
+    from scripts.handler_harness import InProcessWorker
+    from tests.intake_servers import image_bytes
+
+    first = InProcessWorker(instance(demo_model, tmp_path, "a"))
+    b64 = base64.b64encode(image_bytes(sample.image)).decode()
+    session_id = first.invoke({"requestType": "NEW_SESSION", "image": {"b64": b64}}).json()[
+        "sessionId"
+    ]
+    header = {"X-Amzn-SageMaker-Session-Id": session_id}
+    assert first.invoke({"requestType": "SESSION", "inputs": QUESTIONS[0]}, header).status == 200
+    assert first.service.engine.flush_durable(10) == []
+    second = InProcessWorker(instance(demo_model, tmp_path, "b"))
+    resume = {"requestType": "NEW_SESSION", "resumeFrom": session_id}
+    with_image = second.invoke({**resume, "image": {"b64": b64}})
+    assert (with_image.status, with_image.json()["error"]["code"]) == (400, "INVALID_REQUEST")
+
+    reply = second.invoke(resume, {"X-Amzn-SageMaker-Session-Id": "NEW_SESSION"})
+    assert reply.status == 200, reply.text
+    body = reply.json()
+    assert body["resumed"] == {"from": session_id, "turns": 1, "images": 1}
+    new_id = body["sessionId"]
+    assert reply.headers["X-Amzn-SageMaker-New-Session-Id"].startswith(f"{new_id}; Expires=")
+    assert second.service.engine.flush_durable(10) == []
+    again = second.invoke(resume)
+    assert (again.status, again.json()["error"]["code"]) == (404, "SESSION_RECORD_NOT_FOUND")
+    asked = second.invoke(
+        {"requestType": "SESSION", "inputs": QUESTIONS[1]},
+        {"X-Amzn-SageMaker-Session-Id": new_id},
+    )
+    assert asked.status == 200 and asked.json()["turns"] == 2
+    assert asked.json()["usage"]["tier"] == "persisted"

@@ -17,13 +17,13 @@ import textwrap
 import boto3
 import pytest
 from moto.core.authorization import enable_iam_authentication
-from moto.server import ThreadedMotoServer
 from PIL import Image
 
 from handlers.errors import error_response
 from llava.errors import ImageFetchFailed, ImageSourceNotAllowed, ImageTooLarge, NotAnImage
 from llava.intake import IntakePolicy, load_image
-from tests.intake_servers import forbid_non_loopback, image_bytes
+from tests.aws_local import moto_endpoint, local_aws_env
+from tests.intake_servers import image_bytes
 
 BUCKET = "intake-test-images"
 PROBED = "intake-probed"  # listed; whether it exists, and what it holds, is up to each test
@@ -32,24 +32,14 @@ PNG = image_bytes(Image.new("RGB", (5, 4), (0, 128, 255)))
 
 @pytest.fixture(scope="module")
 def endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture
 def s3(endpoint, monkeypatch):
     """An S3 client on moto with test credentials; the bucket holds a PNG and a text file."""
-    forbid_non_loopback(monkeypatch)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    local_aws_env(monkeypatch)
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     client.create_bucket(Bucket=BUCKET)
     client.put_object(Bucket=BUCKET, Key="cat.png", Body=PNG)

@@ -508,3 +508,14 @@ def test_a_body_nested_too_deeply_is_a_400(depth):
 def test_a_body_nested_to_the_bound_is_parsed():
     request = parse_request(deep_body(31), {SESSION_HEADER: SID})
     assert isinstance(request, AskSession)  # the engine refuses a list as the question
+
+
+def test_a_resume_takes_no_image_or_system():
+    resume = {"requestType": "NEW_SESSION", "resumeFrom": SID}
+    assert parse_request(resume, {}).resume_from == SID
+    for extra in ({"image": {"url": "https://example.com/a.png"}}, {"system": "Be brief."}):
+        with pytest.raises(InvalidRequest, match="leave out"):
+            parse_request({**resume, **extra}, {})
+    with pytest.raises(InvalidRequest) as bad:
+        parse_request({**resume, "resumeFrom": "../etc"}, {})
+    assert bad.value.code == "INVALID_SESSION_ID"
