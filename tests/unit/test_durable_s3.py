@@ -12,7 +12,7 @@ from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
 from llava.sessions.durable import record_name
-from tests.aws_local import moto_endpoint, local_aws_env
+from tests.aws_local import local_aws_env, moto_endpoint
 
 BUCKET = "durable-sessions"
 QUESTIONS = ["What shape is it?", "And its color?", "What color is the shape?"]

@@ -22,7 +22,7 @@ from PIL import Image
 from handlers.errors import error_response
 from llava.errors import ImageFetchFailed, ImageSourceNotAllowed, ImageTooLarge, NotAnImage
 from llava.intake import IntakePolicy, load_image
-from tests.aws_local import moto_endpoint, local_aws_env
+from tests.aws_local import local_aws_env, moto_endpoint
 from tests.intake_servers import image_bytes
 
 BUCKET = "intake-test-images"
