@@ -5,16 +5,21 @@
         [--instance-type ml.g5.2xlarge] [--instance-count 1] \\
         [--startup-timeout 1800] [--download-timeout 1800] \\
         [--env LLAVA_SESSION_TTL_S=600 ...] [--s3-images bucket/prefix ...] \\
+        [--durable-store s3://bucket/prefix [--durable-store-kms-key KEY] \\
+         [--durable-store-expire-days 2]] \\
         [--inference-ami-version VERSION|default] [--no-wait] [--region eu-west-1]
     python -m deploy delete --name llava-chat [--region eu-west-1]
     python -m deploy image-policy --s3-images bucket/prefix [...]
+    python -m deploy store-policy --durable-store s3://bucket/prefix [--durable-store-kms-key ARN]
 
 ``create`` prints the names of what it created, one per line, then the endpoint's status and
 the time waited at each change and at least every minute, and exits 0 once the endpoint is
 InService (1 if it failed, with SageMaker's reason); ``delete`` removes the endpoint with its
 endpoint config and models; ``image-policy`` prints the IAM policy that lets the role read
-the ``--s3-images`` it serves (nothing else: create never changes IAM). AWS credentials come
-from the usual places (AWS_PROFILE, ...).
+the ``--s3-images`` it serves (nothing else: create never changes IAM); ``store-policy`` the
+one that lets it use the ``--durable-store`` (whose S3 lifecycle rule ``create`` puts on the
+bucket, beside the bucket's other rules). AWS credentials come from the usual places
+(AWS_PROFILE, ...).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 from sagemaker.core.utils.exceptions import SageMakerCoreError
 
+from deploy.durable_store import DEFAULT_EXPIRE_DAYS, store_policy
 from deploy.endpoint import INFERENCE_AMI_VERSION, DeploySpec, create, delete
 from deploy.image_access import read_policy
 
@@ -55,9 +61,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="BUCKET[/PREFIX]",
         help="where s3:// images may come from (repeatable; none: s3:// images are refused)",
     )
+    store = argparse.ArgumentParser(add_help=False)
+    store.add_argument(
+        "--durable-store",
+        metavar="s3://BUCKET/PREFIX",
+        help="where sessions outlive their instance (LLAVA_DURABLE_STORE; default: none)",
+    )
+    store.add_argument(
+        "--durable-store-kms-key",
+        metavar="KEY",
+        help="the KMS key its objects are encrypted with (default: S3's own keys, SSE-S3)",
+    )
     up = commands.add_parser(
         "create",
-        parents=[common, s3_images],
+        parents=[common, s3_images, store],
         help="model, endpoint config, endpoint; wait InService",
     )
     up.add_argument("--name", required=True, help="endpoint name (models: name-<timestamp>)")
@@ -76,6 +93,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"(default {INFERENCE_AMI_VERSION}: driver 580, for PyPI's CUDA 13.0 torch); "
         "'default': SageMaker's choice",
     )
+    up.add_argument(
+        "--durable-store-expire-days",
+        default=DEFAULT_EXPIRE_DAYS,
+        type=int,
+        metavar="DAYS",
+        help="the lifecycle rule on --durable-store's prefix: objects expire this many days "
+        f"after they were written (default {DEFAULT_EXPIRE_DAYS}; records are refused once "
+        "their session's TTL is past anyway; shared features are reclaimed only by this rule)",
+    )
     up.add_argument("--no-wait", action="store_true", help="return once creation has started")
     down = commands.add_parser(
         "delete", parents=[common], help="the endpoint, its endpoint config and models"
@@ -83,6 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     down.add_argument("--name", required=True, help="endpoint name")
     commands.add_parser(
         "image-policy", parents=[s3_images], help="the IAM policy to read the --s3-images"
+    )
+    commands.add_parser(
+        "store-policy", parents=[store], help="the IAM policy to use the --durable-store"
     )
     return parser.parse_args(argv)
 
@@ -92,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "image-policy":  # no AWS call: a document for whoever owns IAM
             print(json.dumps(read_policy(args.s3_images), indent=2))
+            return 0
+        if args.command == "store-policy":  # the same, for the durable store
+            if args.durable_store is None:
+                raise ValueError("give the store: --durable-store s3://bucket/prefix")
+            policy = store_policy(args.durable_store, args.durable_store_kms_key)
+            print(json.dumps(policy, indent=2))
             return 0
         session = boto3.Session(region_name=args.region)
         if args.command == "create":
@@ -109,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                     None if args.inference_ami_version == "default" else args.inference_ami_version
                 ),
                 s3_images=tuple(args.s3_images),
+                durable_store=args.durable_store,
+                durable_store_kms_key=args.durable_store_kms_key,
+                durable_store_expire_days=args.durable_store_expire_days,
             )
             for line in create(spec, session, wait=not args.no_wait).lines():
                 print(line)

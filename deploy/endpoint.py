@@ -24,6 +24,7 @@ from sagemaker.core.shapes import (
 )
 from sagemaker.core.utils.exceptions import FailedStatusError, TimeoutExceededError
 
+from deploy.durable_store import DEFAULT_EXPIRE_DAYS, put_lifecycle, store_environment
 from deploy.image_access import check_entries, intake_environment
 
 # The container's setting that names the endpoint in its metrics (serving/emf.py reads it; a
@@ -54,6 +55,12 @@ class DeploySpec:
     environment: dict[str, str] = field(default_factory=dict)  # LLAVA_* settings and the like
     inference_ami_version: str | None = INFERENCE_AMI_VERSION  # None: SageMaker's default AMI
     s3_images: tuple[str, ...] = ()  # intake.s3_buckets: bucket or bucket/prefix entries
+    # The durable store (s3://bucket/prefix: LLAVA_DURABLE_STORE), its KMS key, and the days
+    # after which its lifecycle rule expires what is under the prefix (docs/deploy.md
+    # §The durable store).
+    durable_store: str | None = None
+    durable_store_kms_key: str | None = None
+    durable_store_expire_days: int = DEFAULT_EXPIRE_DAYS
 
     def __post_init__(self) -> None:
         if not self.model_data.startswith("s3://"):
@@ -66,6 +73,7 @@ class DeploySpec:
             raise ValueError("instance count must be at least 1")
         check_entries(self.s3_images)
         intake_environment(self.s3_images, self.environment)  # refuses a conflict now
+        self.store_environment()  # likewise
         if ENDPOINT_ENV in self.environment:
             raise ValueError(f"{ENDPOINT_ENV} is the endpoint's name, set by deploy: leave it out")
         for name, seconds in (
@@ -82,8 +90,17 @@ class DeploySpec:
             "SERVE_STARTUP_TIMEOUT_S": str(self.startup_timeout_s - 30),
             **self.environment,
             **intake_environment(self.s3_images, self.environment),
+            **self.store_environment(),
             ENDPOINT_ENV: self.endpoint_name,
         }
+
+    def store_environment(self) -> dict[str, str]:
+        return store_environment(
+            self.durable_store,
+            self.durable_store_kms_key,
+            self.durable_store_expire_days,
+            self.environment,
+        )
 
     def model_data_source(self) -> ModelDataSource:
         prefix = self.model_data.endswith("/")
@@ -102,9 +119,11 @@ class Deployed:
     endpoint_config_name: str
     model_names: tuple[str, ...]
     status: str
+    lifecycle_rule: str | None = None  # the durable store's, as put on its bucket
 
     def lines(self) -> list[str]:
         return [
+            *([f"lifecycle rule   {self.lifecycle_rule}"] if self.lifecycle_rule else []),
             f"model            {', '.join(self.model_names)}",
             f"endpoint config  {self.endpoint_config_name}",
             f"endpoint         {self.endpoint_name} ({self.status})",
@@ -121,9 +140,16 @@ def create(
 
     If a step fails, what the earlier steps created is deleted. An endpoint that fails while
     starting is left for its logs to be read (SageMaker's reason is in the exception); remove
-    it with ``delete``.
+    it with ``delete``. With a durable store, its lifecycle rule is put first (an S3 refusal
+    stops the create before SageMaker is asked anything); it stays on the bucket whatever
+    follows, ``delete`` included: it reclaims what the endpoint leaves under the prefix.
     """
     region = session.region_name if session else None
+    rule = None
+    if spec.durable_store is not None:
+        s3 = (session or boto3.Session()).client("s3")
+        put = put_lifecycle(s3, spec.durable_store, spec.durable_store_expire_days)
+        rule = f"{put['ID']} (objects expire after {spec.durable_store_expire_days} days)"
     name = f"{spec.endpoint_name}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
     created = []  # undone, newest first, if a later step fails: a failed create leaves nothing
     try:
@@ -175,6 +201,7 @@ def create(
         config.endpoint_config_name,
         (model.model_name,),
         endpoint.endpoint_status,
+        rule,
     )
 
 

@@ -12,7 +12,11 @@ import json
 
 from botocore.exceptions import ClientError
 
-from llava_wire import SESSION_GONE_CODES
+from llava_wire import RESUME_REFUSED_CODES, SESSION_GONE_CODES
+
+# A call on a session whose instance no longer holds it, answered from the durable store: a
+# record refused (missing, expired, corrupt, another model's) means that session is gone too.
+GONE_ON_A_SESSION = SESSION_GONE_CODES | RESUME_REFUSED_CODES
 
 
 class LlavaError(Exception):
@@ -34,11 +38,14 @@ class SessionGone(LlavaError):
 
     Raised by a ``Session`` call, it says what went with it: ``session_id``, ``turns`` (how
     many turns the session held, None if no reply said) and ``history`` (the turns asked
-    through that object, to re-ask them elsewhere)."""
+    through that object, to re-ask them elsewhere); ``resume_error``: why the server could not
+    resume it (``recover="resume"``: e.g. ``DURABLE_STORE_OFF``), None if it was not asked.
+    ``code`` stays the one that said the session was gone."""
 
     session_id: str | None = None
     turns: int | None = None
     history: tuple = ()
+    resume_error: LlavaError | None = None
 
 
 class StreamGap(LlavaError):
@@ -62,7 +69,8 @@ def from_client_error(err: ClientError, with_session: bool) -> LlavaError:
         error = _container_error(response.get("OriginalMessage", ""))
         code = str(error.get("code", "ModelError"))
         message = str(error.get("message", response.get("OriginalMessage") or message))
-        cls = SessionGone if code in SESSION_GONE_CODES else LlavaError
+        gone = GONE_ON_A_SESSION if with_session else SESSION_GONE_CODES
+        cls = SessionGone if code in gone else LlavaError
         retry_after = _seconds(error.get("retryAfterS")) if status == 503 else None
         return cls(code, message, status, retry_after)
     # SageMaker's router refuses an id it does not know before any container sees it (the
@@ -80,7 +88,7 @@ def from_stream_error(payload: dict) -> LlavaError:
     """The last JSON line of a stream that failed after it began: ``{"error": {...}}``."""
     error = payload.get("error") or {}
     code = str(error.get("code", "UNKNOWN"))
-    cls = SessionGone if code in SESSION_GONE_CODES else LlavaError
+    cls = SessionGone if code in GONE_ON_A_SESSION else LlavaError
     return cls(code, str(error.get("message", payload)))
 
 

@@ -13,12 +13,14 @@ id under 128 bits: use ``Session.id``); ``client.attach(id)`` continues a sessio
 another process opened. A 503 that says when to retry (the container's ``KV_MEMORY_FULL``, with
 ``Retry-After``; ``NOT_READY`` while its worker restarts) is sent again after that wait, with
 jitter, at most ``busy_retries`` times (0: never); a turn whose worker died under it
-(``TURN_INTERRUPTED``) at most once of those. A session that is gone (its instance was
-replaced, it expired or was evicted) raises ``SessionGone`` saying how many turns went with it;
-with ``recover="replay"`` it is re-opened on the same image instead and its questions are asked
-again in order, each with the image its turn sent (hidden latency and cost: the answers are
-regenerated, identical under greedy decoding; ``replay_mismatches`` counts those that came out
-different).
+(``TURN_INTERRUPTED``) at most once of those. A session lost with its instance (or evicted) is
+resumed by default (``recover="resume"``): the server rebuilds it from its durable record
+under a new id and the call goes on there, nothing re-asked; where the server cannot (no
+durable store, no record), and for a closed or expired session, ``SessionGone`` says how many
+turns went with it. With ``recover="replay"`` it is re-opened on the same image instead and its
+questions are asked again in order, each with the image its turn sent (hidden latency and
+cost: the answers are regenerated, identical under greedy decoding; ``replay_mismatches``
+counts those that came out different).
 """
 
 from __future__ import annotations
@@ -46,12 +48,24 @@ from llava_client.images import image_source
 from llava_client.jsonlines import JsonLines
 from llava_client.limits import request_body
 from llava_client.stream_order import stream_gap
-from llava_wire import CLOSE_SESSION, NEW_SESSION, SESSION, SESSION_CLOSED, TURN_INTERRUPTED
+from llava_wire import (
+    CLOSE_SESSION,
+    NEW_SESSION,
+    RESUME_REFUSED_CODES,
+    SESSION,
+    SESSION_CLOSED,
+    SESSION_EXPIRED,
+    TURN_INTERRUPTED,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # What a session that is gone does (docs/client.md §The client (`llava_client/`)).
-RECOVERY = ("raise", "replay")
+RECOVERY = ("raise", "replay", "resume")
+# Gone for good, never resumed: a close deletes the durable record, an expired one is
+# refused, and a record the server refused once would be again (docs/client.md §Resuming a
+# lost session).
+NOT_RESUMABLE = frozenset({SESSION_CLOSED, SESSION_EXPIRED}) | RESUME_REFUSED_CODES
 # edit_last's default: the replaced turn's image goes again with the new question.
 SAME_IMAGE = object()
 
@@ -91,15 +105,26 @@ class LlavaClient:
     together do not all come back at the same instant; ``sleep(seconds)`` waits (a test's
     stand-in records the waits instead).
 
-    ``recover``: ``"raise"`` (the default) raises ``SessionGone`` when a session is gone;
+    ``recover``: what a call does when its session is gone. ``"resume"`` (the default) asks
+    the server to rebuild a session that was lost or evicted from its durable record
+    (``{"requestType": "NEW_SESSION", "resumeFrom": <old id>}``), takes the new id and sends
+    the call again there: the history is the server's, nothing is re-asked (but the turns the
+    record had not caught up with, when this object asked them) and nothing is regenerated;
+    a closed or expired session, or one the server cannot resume (no durable store there:
+    ``DURABLE_STORE_OFF``; a record missing, expired, corrupt or another model's), raises
+    ``SessionGone`` as ``"raise"`` does. ``"raise"`` raises ``SessionGone`` at once.
     ``"replay"`` re-opens it on its image and asks its questions again first, each with the
-    image its turn sent."""
+    image its turn sent (hidden decoding, answers regenerated).
+
+    Why ``"resume"`` by default: it costs one prefill on the server and changes nothing the
+    caller sees; against a server without a store it costs one refused call and ends where
+    ``"raise"`` does, so it never hides a regeneration (the reason replay is not the default)."""
 
     def __init__(
         self,
         endpoint_name: str,
         runtime=None,
-        recover: str = "raise",
+        recover: str = "resume",
         busy_retries: int = 3,
         max_retry_wait_s: float = 10.0,
         sleep: Callable[[float], object] = time.sleep,
@@ -139,12 +164,16 @@ class LlavaClient:
         opened = self._open(source, session_id, system, tenant)
         return Session(self, *opened, source, system, tenant=tenant)
 
-    def attach(self, session_id: str, expires_at: str | None = None) -> Session:
+    def attach(
+        self, session_id: str, expires_at: str | None = None, tenant: str | None = None
+    ) -> Session:
         """The session ``session_id``, opened by another process (another web worker of the
         same backend): ask, stream, rewind and close it from here. Nothing is sent until its
-        first call. Its image and earlier turns are unknown here, so it cannot be replayed:
-        if it is gone, its calls raise ``SessionGone`` whatever ``recover`` says."""
-        return Session(self, session_id, expires_at, image=None, attached=True)
+        first call. A resume needs only the id (``tenant``: its open's, sent with the resume
+        as ``open`` sends it), so with ``recover="resume"`` a lost one goes on under a new id
+        (``Session.id``: share it with the other workers); its image and earlier turns are
+        unknown here, so it is never replayed."""
+        return Session(self, session_id, expires_at, image=None, attached=True, tenant=tenant)
 
     def _open(
         self,
@@ -158,15 +187,17 @@ class LlavaClient:
             body["extSessionID"] = session_id
         if system is not None:
             body["system"] = system
-        attributes = {} if tenant is None else {"CustomAttributes": f"tenant={tenant}"}
-        reply = self._invoke(body, NEW_SESSION, **attributes)
-        announced = reply.get("NewSessionId")
-        if not announced:
-            raise LlavaError(
-                "NO_SESSION", "the endpoint started no session (no NewSessionId): is it stateful?"
-            )
-        session_id, _, expires = announced.partition(";")
-        return session_id.strip(), expires.strip().removeprefix("Expires=")
+        return _announced(self._invoke(body, NEW_SESSION, **_tenant_attributes(tenant)))
+
+    def _resume(self, from_session_id: str, tenant: str | None) -> tuple[str, str, dict]:
+        """A new session rebuilt from ``from_session_id``'s durable record, on whichever
+        instance the open lands (docs/client.md §Resuming a lost session): its id, its expiry
+        and the reply's ``resumed`` ({"from", "turns", "images"})."""
+        body = {"requestType": NEW_SESSION, "resumeFrom": from_session_id}
+        reply = self._invoke(body, NEW_SESSION, **_tenant_attributes(tenant))
+        session_id, expires = _announced(reply)
+        payload = json.loads(reply["Body"].read())
+        return session_id, expires, payload.get("resumed") or {}
 
     def _invoke(self, body: dict, session_id: str, **options: str) -> dict:
         payload = request_body(body)  # too large for SageMaker: refused before any call
@@ -362,27 +393,73 @@ class Session:
         except SessionGone as gone:
             if self.closed:
                 raise
+            if self.client.recover == "resume" and gone.code not in NOT_RESUMABLE:
+                self._resume(gone)
+                return call()
             if self.client.recover != "replay" or self._attached:
                 raise self._what_was_lost(gone) from gone
             logger.warning("session %s is gone (%s): re-opening and replaying", self.id, gone)
             self._reopen()
             return call()
 
-    def _what_was_lost(self, gone: SessionGone) -> SessionGone:
+    def _what_was_lost(self, gone: SessionGone, refused: LlavaError | None = None) -> SessionGone:
         turns = self.turns if self.turns is not None else "its"
         how = (
             "it was attached, so only its opener knows its image"
             if self._attached
             else 'LlavaClient(recover="replay") re-opens it and asks its questions again'
         )
+        if refused is not None:
+            why = f"; resuming it failed: {refused}"
+        elif gone.code in RESUME_REFUSED_CODES:
+            why = "; the server refused its durable record, so it cannot be resumed"
+        elif self.client.recover == "resume" and gone.code in NOT_RESUMABLE:
+            why = "; a closed or expired session is not resumed"
+        else:
+            why = ""
         lost = SessionGone(
             gone.code,
-            f"{gone.message}; session {self.id} is gone with {turns} turns: open a new session "
-            f"({how})",
+            f"{gone.message}; session {self.id} is gone with {turns} turns{why}: open a new "
+            f"session ({how})",
             gone.status,
         )
         lost.session_id, lost.turns, lost.history = self.id, self.turns, tuple(self.history)
+        lost.resume_error = refused
         return lost
+
+    def _resume(self, gone: SessionGone) -> None:
+        """Rebuilt by the server from its durable record under a new id; ``SessionGone`` with
+        ``gone``'s code when the server cannot (docs/client.md §Resuming a lost session)."""
+        try:
+            self.id, self.expires_at, resumed = self.client._resume(self.id, self._tenant)
+        except LlavaError as refused:
+            raise self._what_was_lost(gone, refused) from refused
+        logger.warning("session gone (%s): resumed from its durable record", gone.code)
+        self.recoveries += 1
+        self._catch_up(resumed.get("turns"))
+
+    def _catch_up(self, held: int | None) -> None:
+        """The resumed session holds ``held`` turns. Its record is written behind the turns
+        (at most one behind, lost only when the instance died before writing it): the turns it
+        lacks are asked again, in order, when this object asked them all (their answers
+        regenerated, ``replay_mismatches`` counts those that differ); otherwise the session
+        goes on without them and ``history`` is emptied (an attached session's case)."""
+        if held is None:  # the reply did not say: the record is taken as whole
+            return
+        missing = 0 if self.turns is None else self.turns - held
+        self.turns = held
+        if missing <= 0:
+            return
+        lagging = self.history[-missing:] if missing <= len(self.history) else []
+        del self.history[-missing:]  # all of it when more are missing than it holds
+        logger.warning(
+            "the resumed session lacks its last %d turn(s): %d asked again", missing, len(lagging)
+        )
+        for turn in lagging:
+            answer = self._ask_once(turn.question, turn.parameters, image=turn.image)
+            self.replay_mismatches += answer.text != turn.answer
+            again = Turn(turn.question, answer.text, turn.parameters, turn.image)
+            self._record(again, 0, answer.reply)
 
     def _reopen(self) -> None:
         self.id, self.expires_at = self.client._open(
@@ -408,3 +485,19 @@ def _ask_body(
     if rewind_turns:
         body["rewind_turns"] = rewind_turns
     return body
+
+
+def _tenant_attributes(tenant: str | None) -> dict[str, str]:
+    """An open's tenant, as SageMaker's custom attributes carry it (a resume sends it too)."""
+    return {} if tenant is None else {"CustomAttributes": f"tenant={tenant}"}
+
+
+def _announced(reply: dict) -> tuple[str, str]:
+    """The new session's id and expiry from an open's ``NewSessionId`` (``<id>; Expires=…``)."""
+    announced = reply.get("NewSessionId")
+    if not announced:
+        raise LlavaError(
+            "NO_SESSION", "the endpoint started no session (no NewSessionId): is it stateful?"
+        )
+    session_id, _, expires = announced.partition(";")
+    return session_id.strip(), expires.strip().removeprefix("Expires=")

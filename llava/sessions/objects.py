@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -30,7 +31,7 @@ class ObjectStore(Protocol):
 
     def get(self, name: str) -> bytes | None: ...  # None: no such object
     def put(self, name: str, data: bytes) -> None: ...
-    def exists(self, name: str) -> bool: ...
+    def age_s(self, name: str) -> float | None: ...  # since last written; None: no such object
     def delete(self, name: str) -> None: ...
 
 
@@ -66,8 +67,13 @@ class DirectoryObjects:
         except OSError as e:
             raise StoreError(f"{self.where}: {e.strerror or type(e).__name__}") from None
 
-    def exists(self, name: str) -> bool:
-        return self._path(name).is_file()
+    def age_s(self, name: str) -> float | None:
+        try:
+            return max(0.0, time.time() - self._path(name).stat().st_mtime)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"{self.where}: {e.strerror or type(e).__name__}") from None
 
     def delete(self, name: str) -> None:
         try:
@@ -110,12 +116,12 @@ class S3Objects:
     def put(self, name: str, data: bytes) -> None:
         self._call("put_object", Key=self._key(name), Body=data, **self.encryption)
 
-    def exists(self, name: str) -> bool:
+    def age_s(self, name: str) -> float | None:
         try:
-            self._call("head_object", Key=self._key(name))
-            return True
+            written = self._call("head_object", Key=self._key(name))["LastModified"]
         except _Absent:
-            return False
+            return None
+        return max(0.0, time.time() - written.timestamp())
 
     def delete(self, name: str) -> None:
         self._call("delete_object", Key=self._key(name))

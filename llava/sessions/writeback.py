@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 
 FIRST_PAUSE_S, LAST_PAUSE_S = 0.25, 30.0  # after a failure, doubling up to the last
 FLUSH_PAUSE_S = 0.05  # after a failure while a flush waits
+# A features object is shared and never rewritten by a session, but the bucket's lifecycle rule
+# expires objects by age (docs/deploy.md §The durable store): one older than this when a record
+# names it is written again, so an image in use never expires under its sessions (the rule
+# must keep objects longer: `python -m deploy create` takes whole days).
+REFRESH_FEATURES_S = 12 * 3600
+MAX_KNOWN_FEATURES = 100_000  # names remembered as written (~200 B each)
 # Features waiting to be written are host copies; past this many bytes of them a pending
 # write keeps none and reads its session's features back from the persistent tier instead.
 MAX_PENDING_FEATURE_BYTES = 1 << 30
@@ -69,7 +75,7 @@ class WriteBehind:
         self._clock = clock
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # oldest first
         self._written: dict[str, list[str]] = {}  # id → the features names its record names
-        self._held_features: set[str] = set()  # names known to be in the store
+        self._held_features: dict[str, float] = {}  # name → when known written (monotonic)
         self._pending_bytes = 0
         self._writing: str | None = None  # the id being written now
         self._counters = DurableCounters()
@@ -195,7 +201,12 @@ class WriteBehind:
         """Each image's features object, written if the store does not hold it."""
         snapshot = entry.snapshot
         written = self._written.get(snapshot.session_id)
-        if entry.features is None and written is not None and len(written) == len(snapshot.images):
+        if (
+            entry.features is None
+            and written is not None
+            and len(written) == len(snapshot.images)
+            and all(self._recently_held(name) for name in written)
+        ):
             return written
         features = entry.features
         if features is None:
@@ -203,12 +214,27 @@ class WriteBehind:
         names = []
         for tensor in features:
             name, data = self.sessions.features_object(tensor)
-            if name not in self._held_features and not self.sessions.objects.exists(name):
-                self.sessions.objects.put(name, data)
-                self._count(feature_writes=1)
-            self._held_features.add(name)
+            self._hold_features(name, data)
             names.append(name)
         return names
+
+    def _recently_held(self, name: str) -> bool:
+        known = self._held_features.get(name)
+        return known is not None and self._clock() - known < REFRESH_FEATURES_S
+
+    def _hold_features(self, name: str, data: bytes) -> None:
+        """Make sure the store holds this features object, and will for REFRESH_FEATURES_S."""
+        if self._recently_held(name):
+            return
+        now = self._clock()
+        age = self.sessions.objects.age_s(name)
+        if age is None or age >= REFRESH_FEATURES_S:
+            self.sessions.objects.put(name, data)
+            self._count(feature_writes=1)
+            age = 0.0
+        if len(self._held_features) >= MAX_KNOWN_FEATURES:  # bounded: asked again if needed
+            self._held_features.clear()
+        self._held_features[name] = now - age
 
     def _failed(self, session_id: str, entry: _Pending, error: Exception) -> None:
         what = "delete" if entry.snapshot is None else "write"

@@ -145,7 +145,7 @@ def test_regenerate_and_edit_last_send_the_replaced_turns_image_again(container)
 
 
 def test_recover_takes_only_its_named_choices():
-    with pytest.raises(ValueError, match="recover must be one of raise, replay, not True"):
+    with pytest.raises(ValueError, match="recover must be one of raise, replay, resume, not True"):
         LlavaClient("x", runtime=object(), recover=True)
 
 

@@ -317,3 +317,145 @@ def test_deploy_names_the_setting_the_container_reads_for_its_endpoint():
     from serving import emf
 
     assert ENDPOINT_ENV == emf.ENDPOINT_ENV
+
+
+# The durable store: moto is the AWS control plane here too (its S3, on the same server): the
+# lifecycle call is boto3's real request; what S3 does with the rule (expiring objects days
+# later) and IAM's answers are in docs/deploy.md §What only AWS can verify.
+STORE_BUCKET = "llava-sessions"
+KEY_ARN = "arn:aws:kms:eu-west-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+THEIR_RULES = [
+    {
+        "ID": "logs-30-days",
+        "Filter": {"Prefix": "logs/"},
+        "Status": "Enabled",
+        "Expiration": {"Days": 30},
+    },
+    {
+        "ID": "archive",
+        "Filter": {"Prefix": "archive/"},
+        "Status": "Enabled",
+        "Transitions": [{"Days": 90, "StorageClass": "GLACIER"}],
+    },
+]
+
+
+@pytest.fixture
+def s3(sagemaker, monkeypatch, moto_port):
+    """The store's bucket on moto (reset with SageMaker), holding rules of its own."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{moto_port}")
+    import boto3
+
+    client = boto3.client("s3", region_name="eu-west-1")
+    client.create_bucket(
+        Bucket=STORE_BUCKET, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"}
+    )
+    client.put_bucket_lifecycle_configuration(
+        Bucket=STORE_BUCKET, LifecycleConfiguration={"Rules": THEIR_RULES}
+    )
+    return client
+
+
+def rules(s3, bucket: str = STORE_BUCKET) -> dict[str, dict]:
+    return {r["ID"]: r for r in s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
+
+
+def test_a_durable_store_reaches_the_container_and_its_rule_joins_the_buckets_rules(
+    sagemaker, s3, capsys
+):
+    from llava.config import load_config
+
+    store = f"s3://{STORE_BUCKET}/chat/"
+    args = create_args(**{"--durable-store": store, "--durable-store-kms-key": KEY_ARN})
+    assert deploy(*args) == 0
+    assert "lifecycle rule   llava-durable-store:chat/ (objects expire after 2 days)" in (
+        capsys.readouterr().out
+    )
+    [model] = everything(sagemaker)["models"]
+    environment = sagemaker.describe_model(ModelName=model)["PrimaryContainer"]["Environment"]
+    assert environment["LLAVA_DURABLE_STORE"] == store
+    assert environment["LLAVA_DURABLE_STORE_KMS_KEY"] == KEY_ARN
+    archived = {"model_dir": "m", "persist_dir": "/dev/shm/stateful-llava"}
+    config = load_config(archived, environment, "/opt/ml/model")  # as the container reads it
+    assert (config.durable_store, config.durable_store_kms_key) == (store, KEY_ARN)
+
+    held = rules(s3)
+    assert {k: held[k] for k in ("logs-30-days", "archive")} == {r["ID"]: r for r in THEIR_RULES}
+    assert held["llava-durable-store:chat/"] == {
+        "ID": "llava-durable-store:chat/",
+        "Filter": {"Prefix": "chat/"},  # "chat/" only: not "chat-old/"
+        "Status": "Enabled",
+        "Expiration": {"Days": 2},
+        "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
+    }
+
+    # Another endpoint on the same store with other days: the rule is replaced, not added.
+    args = create_args("llava-b", **{"--durable-store": store})
+    assert deploy(*args, "--durable-store-expire-days", "5") == 0
+    held = rules(s3)
+    assert sorted(held) == ["archive", "llava-durable-store:chat/", "logs-30-days"]
+    assert held["llava-durable-store:chat/"]["Expiration"] == {"Days": 5}
+    [model_b] = [m for m in everything(sagemaker)["models"] if m.startswith("llava-b-")]
+    environment = sagemaker.describe_model(ModelName=model_b)["PrimaryContainer"]["Environment"]
+    assert "LLAVA_DURABLE_STORE_KMS_KEY" not in environment  # S3's own keys (SSE-S3)
+    assert deploy("delete", "--name", "llava-chat") == 0
+    assert "llava-durable-store:chat/" in rules(s3)  # it reclaims what the endpoint left
+
+
+def test_a_bucket_without_lifecycle_rules_gets_the_stores_alone(sagemaker, s3):
+    s3.create_bucket(Bucket="bare", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    assert deploy(*create_args(**{"--durable-store": "s3://bare/a/b"})) == 0
+    assert list(rules(s3, "bare")) == ["llava-durable-store:a/b/"]
+
+
+def test_a_store_s3_refuses_stops_the_create_before_sagemaker_is_asked(sagemaker, s3, capsys):
+    assert deploy(*create_args(**{"--durable-store": "s3://no-such-bucket/chat"})) == 1
+    assert "NoSuchBucket" in capsys.readouterr().err
+    assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--durable-store", f"s3://{STORE_BUCKET}"], "with a prefix"),
+        (["--durable-store", "/mnt/efs/sessions"], "does not mount"),
+        (["--durable-store-kms-key", KEY_ARN], "--durable-store-kms-key needs --durable-store"),
+        (
+            ["--durable-store", f"s3://{STORE_BUCKET}/c", "--durable-store-expire-days", "0"],
+            "at least 1",
+        ),
+        (["--env", f"LLAVA_DURABLE_STORE=s3://{STORE_BUCKET}/c"], "not --env LLAVA_DURABLE_STORE"),
+        (
+            ["--durable-store", f"s3://{STORE_BUCKET}/c", "--env", "LLAVA_PERSIST_DIR=null"],
+            "needs the persistent tier",
+        ),
+        (
+            ["--durable-store", f"s3://{STORE_BUCKET}/c", "--env", "LLAVA_SESSION_TTL_S=172800"],
+            "outlives --durable-store-expire-days 2",
+        ),
+    ],
+)
+def test_bad_durable_store_arguments_fail_before_any_call(sagemaker, s3, capsys, extra, message):
+    assert deploy(*create_args(), *extra) == 2
+    assert message in capsys.readouterr().err
+    assert everything(sagemaker) == {"models": [], "configs": [], "endpoints": []}
+    assert sorted(rules(s3)) == ["archive", "logs-30-days"]
+
+
+def test_the_store_policy_grants_the_prefix_and_its_key_only(capsys):
+    store = f"s3://{STORE_BUCKET}/chat"
+    assert deploy("store-policy", "--durable-store", store, "--durable-store-kms-key", KEY_ARN) == 0
+    objects, listing, key = json.loads(capsys.readouterr().out)["Statement"]
+    assert objects["Action"] == ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"]
+    assert objects["Resource"] == f"arn:aws:s3:::{STORE_BUCKET}/chat/*"
+    # without it S3 answers a missing record 403, not 404; listed under the prefix only
+    assert (listing["Action"], listing["Resource"]) == (
+        "s3:ListBucket",
+        f"arn:aws:s3:::{STORE_BUCKET}",
+    )
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": ["chat/*"]}}
+    assert key["Action"] == ["kms:GenerateDataKey", "kms:Decrypt"] and key["Resource"] == KEY_ARN
+    assert (
+        deploy("store-policy", "--durable-store", store, "--durable-store-kms-key", "alias/x") == 2
+    )
+    assert "by its ARN" in capsys.readouterr().err

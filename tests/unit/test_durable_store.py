@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
 import threading
 import time
 
@@ -27,6 +28,7 @@ from llava.errors import (
     SessionNotFound,
 )
 from llava.kv.budget import MemoryBudget
+from llava.sessions import writeback
 from llava.sessions.durable import DurableSessions, record_name
 from llava.sessions.objects import DirectoryObjects, StoreError
 from llava.sessions.session import Tier
@@ -297,3 +299,19 @@ def test_the_wire_resume_answers_an_open_that_says_what_it_resumed(demo_model, s
     )
     assert asked.status == 200 and asked.json()["turns"] == 2
     assert asked.json()["usage"]["tier"] == "persisted"
+
+
+def test_shared_features_older_than_the_refresh_age_are_written_again(
+    demo_model, sample, tmp_path, monkeypatch
+):
+    engine = instance(demo_model, tmp_path, "a")
+    first = engine.open(sample.image).session_id
+    engine.flush_durable(10)
+    [name] = names(tmp_path, "features")
+    path = tmp_path / "durable" / "features" / name
+    old = time.time() - writeback.REFRESH_FEATURES_S - 60
+    os.utime(path, (old, old))  # as if written long ago: the lifecycle rule would take it
+    monkeypatch.setattr(writeback, "REFRESH_FEATURES_S", 0.0)  # this writer checked it long ago
+    engine.ask(first, QUESTIONS[0])  # a turn: its record names the image again
+    engine.flush_durable(10)
+    assert path.stat().st_mtime > old + 60 and engine.stats().durable.feature_writes == 2
