@@ -18,6 +18,9 @@ ENDPOINT_INSTANCES ?= 2
 ENDPOINT_THREADS ?= auto
 ENDPOINT_PORT ?= 8090
 ENDPOINT_DIR ?= .run/endpoint
+# A durable store every instance shares (sessions outlive their instance): s3-local (moto's S3
+# on 127.0.0.1, stopped by `make stop`), a directory, or s3://bucket/prefix; empty: none.
+ENDPOINT_DURABLE_STORE ?=
 
 .PHONY: setup test test-fast test-container lint demo bench gpu-check build-demo-model mar demo-mar \
 	serve stop endpoint soak notebook image capacity clean
@@ -81,8 +84,9 @@ demo: demo-mar
 # from host against recompute, sessions per tier, accounted against actual bytes), and the
 # persistent tier (turn latency on/off, bytes per session, kill to the next answered turn),
 # then shared prefixes (an open on a held image against a cold one, bytes of 32 sessions on
-# one image against 32 images, turn time with sharing on and off), and a second image in a
-# session's turn against a new session for it and against stateless.
+# one image against 32 images, turn time with sharing on and off), a second image in a
+# session's turn against a new session for it and against stateless, and the next answer of
+# a session whose instance went: resumed from the durable store against replay and a fresh open.
 bench: demo-mar
 	$(PY) -m scripts.bench.turns
 	$(PY) -m scripts.bench.turns --config realistic-next
@@ -97,6 +101,7 @@ bench: demo-mar
 	$(PY) -m scripts.bench.persist
 	$(PY) -m scripts.bench.prefix
 	$(PY) -m scripts.bench.images
+	$(PY) -m scripts.bench.resume
 
 # On a CUDA machine: preflight, the attention candidates, the engine's table on a
 # random-weight model of llava-1.5-7b's shape, the CUDA tests and two shards, each step
@@ -134,7 +139,8 @@ stop: setup
 # Returns once every instance has a READY worker and the endpoint answers on ENDPOINT_PORT.
 endpoint: mar
 	$(PY) -m local_endpoint.launcher start --instances $(ENDPOINT_INSTANCES) \
-		--threads=$(ENDPOINT_THREADS) --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR)
+		--threads=$(ENDPOINT_THREADS) --port $(ENDPOINT_PORT) --run-dir $(ENDPOINT_DIR) \
+		$(if $(ENDPOINT_DURABLE_STORE),--durable-store $(ENDPOINT_DURABLE_STORE))
 
 # Load, faults and bad input together for SOAK_SECONDS with SOAK_SESSIONS conversations, against
 # `make endpoint`'s setup started on free ports (2 instances) through boto3 (scripts/soak/):

@@ -72,6 +72,7 @@ class Loss:
 
     instance: str
     sessions: int  # how many sessions it took with it
+    how: str = "whose worker died or stopped answering"
 
 
 class Router:
@@ -122,16 +123,18 @@ class Router:
                 backend.sessions.discard(session_id)
             self._lost.pop(session_id, None)
 
-    def mark_dead(self, backend: Backend) -> None:
-        """The instance stopped answering or its worker died: its sessions are lost, each
-        remembered with the count of the whole loss (whichever request notices first)."""
+    def mark_dead(self, backend: Backend, how: str = Loss.how) -> int:
+        """The instance stopped answering or its worker died (or it was replaced: ``how``): its
+        sessions are lost, each remembered with the count of the whole loss (whichever request
+        notices first). Returns that count."""
         with self._lock:
             backend.alive = False
             backend.failed_at = time.monotonic()
             lost, backend.sessions = backend.sessions, set()
-            loss = Loss(backend.name, len(lost))
+            loss = Loss(backend.name, len(lost), how)
             for session_id in lost:
                 self._by_session.pop(session_id, None)
                 self._lost[session_id] = loss
             while len(self._lost) > LOST_REMEMBERED:
                 self._lost.popitem(last=False)
+            return loss.sessions

@@ -25,6 +25,10 @@ a dropped connection) a 503 ``TURN_INTERRUPTED``, and a stream cut short ends wi
 line, as the container's front (serving/front.py) answers them (serving/interrupted.py).
 Streamed replies are framed as ``PayloadPart`` events. Every reply names the instance in
 ``X-Local-Endpoint-Instance`` (SageMaker has no such header; tests use it to see stickiness).
+
+Not SageMaker's: ``POST /local-admin/instances/{name}/replace[?kill=1]``, from loopback only,
+replaces an instance as SageMaker replaces one (local_endpoint/__main__.py ``Slot.replace``;
+docs/client.md §Replacing an instance) and answers, once the fresh one is READY, what it did.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import http.client
 import json
 import re
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from handlers.errors import ErrorReply
 from llava.errors import clip, echo
@@ -66,6 +71,8 @@ ERROR_CODE_HEADER = "X-Local-Endpoint-Error-Code"
 FORWARDED = ("Content-Type", "Accept", "X-Amzn-SageMaker-Custom-Attributes", SESSION_HEADER)
 MAX_BODY_BYTES = MAX_REQUEST_BYTES  # SageMaker's cap, the one the client checks too
 _ROUTE = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
+_ADMIN = re.compile(r"/local-admin/instances/([^/]+)/replace")
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
 class Rejected(Exception):
@@ -94,8 +101,9 @@ def unknown_session(session_id: str, loss: Loss | None) -> Rejected:
             ErrorCode=SESSION_NOT_FOUND,
         )
     return validation_error(
-        f"Session {session_id} was lost with {loss.instance}, whose worker died or stopped "
-        f"answering ({loss.sessions} sessions lost with it): open a new session",
+        f"Session {session_id} was lost with {loss.instance}, {loss.how} ({loss.sessions} "
+        "sessions lost with it): open a new session, or resume it where the endpoint has a "
+        "durable store",
         ErrorCode=SESSION_LOST,
     )
 
@@ -156,12 +164,16 @@ class EndpointServer(ThreadingHTTPServer):
         router: Router,
         part_bytes: int = 0,  # > 0: split streamed chunks into parts of at most this size
         timeout_s: float = 60.0,  # SageMaker gives a container 60 s to answer
+        # The admin route's work: replace the instance of that name (kill: at once, as a
+        # hardware fault), answering what was done; raises Rejected. None: no such route.
+        replace: Callable[[str, bool], dict] | None = None,
     ):
         super().__init__(address, _Handler)
         self.endpoint_name = endpoint_name
         self.router = router
         self.part_bytes = part_bytes
         self.timeout_s = timeout_s
+        self.replace = replace
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -193,6 +205,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = self.rfile.read(length)
         try:
+            if urlsplit(self.path).path.startswith("/local-admin/"):
+                self._admin()
+                return
             route = _ROUTE.fullmatch(urlsplit(self.path).path)
             if route is None:
                 raise no_route(self.path)
@@ -203,6 +218,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._invoke(body, self.headers.get(SESSION_HEADER), streaming)
         except Rejected as rejected:
             self._reject(rejected)
+
+    def _admin(self) -> None:
+        """The local endpoint's own route (no SageMaker API has it): replace an instance. It
+        answers when the fresh instance is READY; other requests are served meanwhile."""
+        url = urlsplit(self.path)
+        route = _ADMIN.fullmatch(url.path)
+        if route is None or self.server.replace is None:
+            raise no_route(self.path)
+        if self.client_address[0] not in LOOPBACK:
+            raise Rejected(403, "AccessDeniedException", "the admin route answers loopback only")
+        kill = parse_qs(url.query).get("kill", ["0"])[-1] in ("1", "true")
+        done = self.server.replace(unquote(route[1]), kill)
+        self._send(200, json.dumps(done).encode(), {"Content-Type": "application/json"})
 
     def _drain(self, length: int) -> None:
         """Read and drop a refused body: a client still sending would see a reset instead of

@@ -53,6 +53,11 @@ READY_POLL_S = 0.05  # the management API, asked while a worker loads: a restart
 # authorization on; `torchserve --stop` deletes the one in its own working directory.
 KEY_FILE = "key_file.json"
 API = Literal["inference", "management"]
+WORKER_SCRIPT = "model_service_worker.py"  # what a TorchServe worker process runs
+# How long a stop waits for the workers to exit after their SIGTERM: the engine's flush of its
+# dirty sessions (durable_flush_s, 20 s) and a margin, within the 30 s SageMaker gives a
+# container between its SIGTERM and its SIGKILL (docs/serving.md §TorchServe 0.12 facts).
+WORKER_FLUSH_S = 25.0
 
 
 def free_ports(n: int) -> list[int]:
@@ -200,9 +205,19 @@ class TorchServeInstance:
                 raise self._failure(f"no READY worker after {timeout:.0f} s")
             time.sleep(READY_POLL_S)
 
-    def stop(self, timeout: float = 60.0, graceful: bool = True) -> None:
+    def stop(
+        self, timeout: float = 60.0, graceful: bool = True, flush_s: float = WORKER_FLUSH_S
+    ) -> None:
         """Stop gracefully (unless told not to: then at once), then kill whatever of this
-        instance is left; stopped is fine."""
+        instance is left; stopped is fine.
+
+        Graceful: the workers first get a SIGTERM and up to ``flush_s`` to exit (a worker
+        flushes its dirty sessions to the durable store then), and only then does Java get
+        ``torchserve --stop``: that SIGKILLs the workers (measured: Java's shutdown kills its
+        workers with SIGKILL, never a SIGTERM), so a worker's own SIGTERM has to come first.
+        """
+        if graceful:
+            self.terminate_workers(flush_s)
         procs = self.processes()
         if graceful and self.java_pid() is not None:  # SIGTERM to Java; we wait, bounded, below
             subprocess.run(
@@ -213,13 +228,26 @@ class TorchServeInstance:
                 check=False,
             )
         left = _running_after(procs, timeout if graceful else 0)
+        # ... and any worker Java spawned meanwhile (it restarts one ~1 s after one exits)
+        known = {p.pid for p in procs}
+        left += [p for p in self.processes() if p.pid not in known]
         for proc in left:
-            proc.kill()
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
         left = _running_after(left, 10)
         if left:
             raise TorchServeError(f"processes left after kill: {[p.pid for p in left]}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self.key_file.unlink(missing_ok=True)  # what `torchserve --stop` does, killed or not
+
+    def terminate_workers(self, timeout: float = WORKER_FLUSH_S) -> list[int]:
+        """SIGTERM this instance's Python workers and wait, at most ``timeout`` s, for them to
+        exit; return the pids of those still running then (``stop`` kills them)."""
+        workers = [p for p in self.processes() if _is_worker(p)]
+        for proc in workers:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        return [p.pid for p in _running_after(workers, timeout)]
 
     def auth_headers(self, api: API) -> dict[str, str]:
         """The ``Authorization`` header for TorchServe's ``api``, from the key file this
@@ -324,6 +352,13 @@ def _ready_pid(workers: list[dict], java: int | None) -> int | None:
         except psutil.Error:
             pass
     return None
+
+
+def _is_worker(proc: psutil.Process) -> bool:
+    try:
+        return any(arg.endswith(WORKER_SCRIPT) for arg in proc.cmdline())
+    except psutil.Error:
+        return False
 
 
 def _dead_started_worker(ts: TorchServeInstance) -> int | None:

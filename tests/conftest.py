@@ -72,6 +72,15 @@ def pytest_unconfigure(config):
     gc.freeze()
 
 
+@pytest.fixture(scope="module")
+def moto_url():
+    """moto's server on 127.0.0.1 for a module's tests (tests/aws_local.py): its URL."""
+    from tests.aws_local import moto_endpoint
+
+    with moto_endpoint() as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def demo_model():
     from llava.model.loading import load_model

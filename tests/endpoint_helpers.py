@@ -61,3 +61,25 @@ class ShapeImages:
 
     def close(self) -> None:
         self.http.close()
+
+
+def start_endpoint_on_disk(
+    run_dir: Path, instances: int, durable_store: str | None = None
+) -> LocalEndpoint:
+    """An endpoint whose instances keep their persistent tier under ``run_dir/persist`` (the
+    tests' default turns it off: tests/conftest.py; a durable store needs it), and share
+    ``durable_store`` (``s3-local``: moto's S3 on loopback, started and stopped with it)."""
+    if not MAR.exists():
+        build_mar(DEMO_MODEL_DIR)
+    endpoint = LocalEndpoint(
+        run_dir,
+        instances,
+        port=free_ports(1)[0],
+        env={
+            "LLAVA_INTAKE": json.dumps({"allow": ["127.0.0.1"]}),
+            "LLAVA_PERSIST_DIR": str(run_dir / "persist"),
+        },
+        durable_store=durable_store,
+    )
+    endpoint.start(timeout=180)
+    return endpoint

@@ -29,6 +29,18 @@ def stop(server: BaseServer) -> None:
     server.server_close()
 
 
+def send(handler, status: int, headers: dict[str, str], data: bytes) -> None:
+    """A whole reply from a ``BaseHTTPRequestHandler``: status, headers (their own
+    Content-Length left out), Content-Length, body."""
+    handler.send_response(status)
+    for name, value in headers.items():
+        if name.lower() != "content-length":
+            handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 @contextlib.contextmanager
 def serving(server: Server) -> Iterator[Server]:
     start(server)

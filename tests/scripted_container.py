@@ -52,12 +52,7 @@ class ScriptedContainer:
                 container.calls += 1
                 status, headers, body = container.script.pop(0)
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
-                self.send_response(status)
-                for name, value in {"Content-Type": "application/json", **headers}.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                loopback.send(self, status, {"Content-Type": "application/json", **headers}, data)
 
             def log_message(self, *args):
                 pass

@@ -249,8 +249,9 @@ def table(rows: list[Row]) -> list[str]:
     return lines
 
 
-def bounded(name: str):
-    low, high = LIMITS[name]
+def bounded(name: str, limits: dict[str, tuple[int, int]] = LIMITS):
+    """An argparse type: a whole number within ``limits[name]`` (low, high)."""
+    low, high = limits[name]
 
     def parse(text: str) -> int:
         value = int(text)

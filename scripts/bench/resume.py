@@ -48,6 +48,7 @@ from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
 from llava.model.loading import load_model
 from llava.sessions.durable import record_name
+from scripts.bench.images import bounded
 from scripts.bench.prefix import noise_images
 from scripts.bench.turns import QUESTIONS, ensure_model
 
@@ -68,7 +69,7 @@ SHAPES = {
     "llava-1.5": BenchShape(REPO / "build" / "realistic-llava", "realistic", 336),
     "demo": BenchShape(REPO / "models" / "demo-llava", None, 64),
 }
-LIMITS = {"rounds": (1, 10), "turns": (1, 20), "new_tokens": (1, 32)}
+LIMITS = {"rounds": (1, 10), "turns": (1, 20), "new_tokens": (1, 128)}
 
 
 def question(turn: int) -> str:
@@ -294,24 +295,12 @@ def verdict(rows: dict[str, Row]) -> str:
     )
 
 
-def bounded(name: str):
-    low, high = LIMITS[name]
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"from {low} to {high}")
-        return value
-
-    return parse
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llava-1.5")
-    parser.add_argument("--rounds", type=bounded("rounds"), default=3)
-    parser.add_argument("--turns", type=bounded("turns"), default=10)
-    parser.add_argument("--new-tokens", type=bounded("new_tokens"), default=16)
+    parser.add_argument("--rounds", type=bounded("rounds", LIMITS), default=3)
+    parser.add_argument("--turns", type=bounded("turns", LIMITS), default=10)
+    parser.add_argument("--new-tokens", type=bounded("new_tokens", LIMITS), default=16)
     return parser.parse_args(argv)
 
 

@@ -12,6 +12,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from scripts.bench import resume as bench
+from tests.unit.test_bench_images import cells, number
 
 SMALLEST = ["--shape", "demo", "--rounds", "1", "--turns", "2", "--new-tokens", "2"]
 COLUMNS = [
@@ -26,15 +27,6 @@ COLUMNS = [
     "keeps the conversation",
     "vs resume",
 ]
-
-
-def cells(line: str) -> list[str]:
-    assert line.startswith("| ") and line.endswith(" |"), line
-    return [cell.strip() for cell in line[2:-2].split(" | ")]
-
-
-def number(cell: str) -> float:
-    return float(cell.replace(",", "").rstrip("x"))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +99,7 @@ def test_times_hold_together(rows):
         ["--rounds", "0"],
         ["--rounds", "11"],
         ["--new-tokens", "0"],
-        ["--new-tokens", "33"],
+        ["--new-tokens", "129"],
         ["--shape", "bogus"],
     ],
 )

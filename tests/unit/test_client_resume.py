@@ -288,14 +288,7 @@ class InProcessContainer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 reply = worker.invoke(body, dict(self.headers.items()))
-                data = reply.text.encode()
-                self.send_response(reply.status)
-                for name, value in reply.headers.items():
-                    if name.lower() != "content-length":
-                        self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                loopback.send(self, reply.status, reply.headers, reply.text.encode())
 
             def log_message(self, *args):
                 pass

@@ -12,22 +12,16 @@ from llava.config import EngineConfig, SettingsError
 from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
 from llava.sessions.durable import record_name
-from tests.aws_local import local_aws_env, moto_endpoint
+from tests.aws_local import local_aws_env
 
 BUCKET = "durable-sessions"
 QUESTIONS = ["What shape is it?", "And its color?", "What color is the shape?"]
 
 
-@pytest.fixture(scope="module")
-def endpoint():
-    with moto_endpoint() as url:
-        yield url
-
-
 @pytest.fixture
-def s3(endpoint, monkeypatch):
-    local_aws_env(monkeypatch, AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL_S3=endpoint)
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+def s3(moto_url, monkeypatch):
+    local_aws_env(monkeypatch, AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL_S3=moto_url)
+    client = boto3.client("s3", endpoint_url=moto_url, region_name="us-east-1")
     if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
         client.create_bucket(Bucket=BUCKET)
     return client
@@ -67,8 +61,8 @@ def test_a_session_resumes_from_s3_on_another_instance(demo_model, sample, tmp_p
     assert keys & records == {f"{prefix}/{record_name(twin)}"}  # resumed from, then closed
 
 
-def test_writes_are_encrypted_with_the_kms_key_given(demo_model, sample, tmp_path, s3, endpoint):
-    kms = boto3.client("kms", endpoint_url=endpoint, region_name="us-east-1")
+def test_writes_are_encrypted_with_the_kms_key_given(demo_model, sample, tmp_path, s3, moto_url):
+    kms = boto3.client("kms", endpoint_url=moto_url, region_name="us-east-1")
     key_id = kms.create_key()["KeyMetadata"]["KeyId"]
     engine = instance(demo_model, tmp_path, "a", durable_store_kms_key=key_id)
     session_id = engine.open(sample.image).session_id

@@ -22,7 +22,7 @@ from PIL import Image
 from handlers.errors import error_response
 from llava.errors import ImageFetchFailed, ImageSourceNotAllowed, ImageTooLarge, NotAnImage
 from llava.intake import IntakePolicy, load_image
-from tests.aws_local import local_aws_env, moto_endpoint
+from tests.aws_local import local_aws_env
 from tests.intake_servers import image_bytes
 
 BUCKET = "intake-test-images"
@@ -30,17 +30,11 @@ PROBED = "intake-probed"  # listed; whether it exists, and what it holds, is up 
 PNG = image_bytes(Image.new("RGB", (5, 4), (0, 128, 255)))
 
 
-@pytest.fixture(scope="module")
-def endpoint():
-    with moto_endpoint() as url:
-        yield url
-
-
 @pytest.fixture
-def s3(endpoint, monkeypatch):
+def s3(moto_url, monkeypatch):
     """An S3 client on moto with test credentials; the bucket holds a PNG and a text file."""
     local_aws_env(monkeypatch)
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client = boto3.client("s3", endpoint_url=moto_url, region_name="us-east-1")
     client.create_bucket(Bucket=BUCKET)
     client.put_object(Bucket=BUCKET, Key="cat.png", Body=PNG)
     client.put_object(Bucket=BUCKET, Key="notes.png", Body=b"plain text")
@@ -48,9 +42,9 @@ def s3(endpoint, monkeypatch):
 
 
 @pytest.fixture
-def policy(endpoint):
+def policy(moto_url):
     return IntakePolicy(
-        s3_endpoint_url=endpoint, s3_region="us-east-1", s3_buckets=frozenset({BUCKET, PROBED})
+        s3_endpoint_url=moto_url, s3_region="us-east-1", s3_buckets=frozenset({BUCKET, PROBED})
     )
 
 
@@ -67,7 +61,7 @@ def refusal(uri: str, policy: IntakePolicy) -> tuple[int, bytes]:
     return reply.status, json.dumps(reply.payload).encode()
 
 
-def test_missing_bucket_missing_key_and_denied_object_look_alike(s3, policy, endpoint, monkeypatch):
+def test_missing_bucket_missing_key_and_denied_object_look_alike(s3, policy, moto_url, monkeypatch):
     """A caller must not learn which buckets and keys exist: the same URI gets the same bytes
     whether its bucket is missing, its key is missing, or the server's role may not read it."""
     uri = f"s3://{PROBED}/cat.png"
@@ -75,7 +69,7 @@ def test_missing_bucket_missing_key_and_denied_object_look_alike(s3, policy, end
     s3.create_bucket(Bucket=PROBED)
     no_key = refusal(uri, policy)
     s3.put_object(Bucket=PROBED, Key="cat.png", Body=PNG)
-    iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
+    iam = boto3.client("iam", endpoint_url=moto_url, region_name="us-east-1")
     iam.create_user(UserName="no-permissions")
     key = iam.create_access_key(UserName="no-permissions")["AccessKey"]
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
