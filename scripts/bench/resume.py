@@ -300,7 +300,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llava-1.5")
     parser.add_argument("--rounds", type=bounded("rounds", LIMITS), default=3)
     parser.add_argument("--turns", type=bounded("turns", LIMITS), default=10)
-    parser.add_argument("--new-tokens", type=bounded("new_tokens", LIMITS), default=16)
+    parser.add_argument("--new-tokens", type=bounded("new_tokens", LIMITS), default=64)
     return parser.parse_args(argv)
 
 

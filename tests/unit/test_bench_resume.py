@@ -111,4 +111,4 @@ def test_out_of_bounds_options_are_refused(argv):
 
 def test_defaults_are_the_realistic_run():
     args = bench.parse_args([])
-    assert (args.shape, args.rounds, args.turns, args.new_tokens) == ("llava-1.5", 3, 10, 16)
+    assert (args.shape, args.rounds, args.turns, args.new_tokens) == ("llava-1.5", 3, 10, 64)
