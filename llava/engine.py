@@ -189,6 +189,7 @@ class Engine:
         if loaded.device.type == "cuda":  # streams, graphs and events without a device: ours
             self.loop.call(lambda: torch.cuda.set_device(loaded.device))
         weakref.finalize(self, self.loop.stop)  # the loop thread ends with its engine
+        weakref.finalize(self, self.persistent.stop)  # and the durable store's writer
 
     @classmethod
     def from_config(

@@ -75,10 +75,8 @@ class TwoInstances:
 
 @pytest.fixture
 def instances() -> Iterator[TwoInstances]:
-    two = TwoInstances()
+    two = TwoInstances()  # its scripted containers serve from their start
     loopback.start(two.endpoint)
-    for container in two.containers:
-        loopback.start(container.httpd)
     try:
         yield two
     finally:
