@@ -211,9 +211,12 @@ def test_twenty_dirty_sessions_are_flushed_within_the_budget(demo_model, sample,
 
 def test_a_flush_that_cannot_finish_names_the_sessions_left(demo_model, sample, tmp_path):
     engine = instance(demo_model, tmp_path, "a")
-    Stall(engine)  # never released
+    stall = Stall(engine)  # released only once the flush gave up
     ids = {engine.open(None).session_id for _ in range(3)}
-    assert set(engine.flush_durable(0.3)) == ids
+    try:
+        assert set(engine.flush_durable(0.3)) == ids
+    finally:
+        stall.release.set()  # the writer thread is not left blocked
 
 
 def test_no_id_reaches_a_key_and_no_other_name_is_written(tmp_path):
@@ -267,11 +270,29 @@ def test_features_of_one_image_are_one_object_whatever_the_sessions(demo_model, 
     assert engine.stats().durable.feature_writes == 1
 
 
-def test_the_wire_resume_answers_an_open_that_says_what_it_resumed(demo_model, sample, tmp_path):
+@pytest.fixture
+def workers():
+    """In-process workers (the real handler: scripts/handler_harness.py), stopped after the
+    test with their reapers."""
     from scripts.handler_harness import InProcessWorker
+
+    made = []
+
+    def worker(engine: Engine) -> InProcessWorker:
+        made.append(InProcessWorker(engine))
+        return made[-1]
+
+    yield worker
+    for each in made:
+        each.stop()
+
+
+def test_the_wire_resume_answers_an_open_that_says_what_it_resumed(
+    demo_model, sample, tmp_path, workers
+):
     from tests.intake_servers import image_bytes
 
-    first = InProcessWorker(instance(demo_model, tmp_path, "a"))
+    first = workers(instance(demo_model, tmp_path, "a"))
     b64 = base64.b64encode(image_bytes(sample.image)).decode()
     session_id = first.invoke({"requestType": "NEW_SESSION", "image": {"b64": b64}}).json()[
         "sessionId"
@@ -279,7 +300,7 @@ def test_the_wire_resume_answers_an_open_that_says_what_it_resumed(demo_model, s
     header = {"X-Amzn-SageMaker-Session-Id": session_id}
     assert first.invoke({"requestType": "SESSION", "inputs": QUESTIONS[0]}, header).status == 200
     assert first.service.engine.flush_durable(10) == []
-    second = InProcessWorker(instance(demo_model, tmp_path, "b"))
+    second = workers(instance(demo_model, tmp_path, "b"))
     resume = {"requestType": "NEW_SESSION", "resumeFrom": session_id}
     with_image = second.invoke({**resume, "image": {"b64": b64}})
     assert (with_image.status, with_image.json()["error"]["code"]) == (400, "INVALID_REQUEST")
