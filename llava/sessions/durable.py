@@ -30,6 +30,7 @@ from llava.errors import (
 )
 from llava.sessions.objects import ObjectStore, StoreError
 from llava.sessions.record import (
+    DIGEST_BYTES,
     BadEntry,
     ForeignEntry,
     Snapshot,
@@ -45,8 +46,13 @@ RECORD_MAGIC, FEATURES_MAGIC = b"LLVR", b"LLVD"
 RETRY_AFTER_S = 2.0  # what a resume that found the store down is told
 
 
+def id_hash(session_id: str) -> str:
+    """What names a session in the store: the SHA-256 of its id, never the id itself."""
+    return hashlib.sha256(session_id.encode()).hexdigest()
+
+
 def record_name(session_id: str) -> str:
-    return f"sessions/{hashlib.sha256(session_id.encode()).hexdigest()}"
+    return f"sessions/{id_hash(session_id)}"
 
 
 def features_name(digest: bytes) -> str:
@@ -74,11 +80,11 @@ class DurableSessions:
         """One image's features as an object, and the name it goes under."""
         fields, payload = tensor_fields(features)
         body = pack(FEATURES_MAGIC, {"model": self.model, **fields}, payload)
-        return features_name(body[-hashlib.sha256().digest_size :]), body
+        return features_name(body[-DIGEST_BYTES:]), body
 
     def record_object(self, snapshot: Snapshot, features: list[str]) -> bytes:
-        session = hashlib.sha256(snapshot.session_id.encode()).hexdigest()
-        header = {"model": self.model, "session": session, **history_header(snapshot)}
+        header = {"model": self.model, "session": id_hash(snapshot.session_id)}
+        header |= history_header(snapshot)
         return pack(RECORD_MAGIC, header | {"features": features})
 
     # -- reading (a resume, in the caller's thread) ----------------------------------------
@@ -92,7 +98,7 @@ class DurableSessions:
             )
         try:
             header, _, _ = unpack(data, RECORD_MAGIC, self.model)
-            if header.get("session") != hashlib.sha256(session_id.encode()).hexdigest():
+            if header.get("session") != id_hash(session_id):
                 raise BadEntry("a record under another session's name")
             snapshot = read_snapshot(header, session_id, self.vocab_size)
             features = header.get("features")

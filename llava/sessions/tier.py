@@ -92,8 +92,7 @@ class PersistentTier:
         """The writer's fallback: a snapshot's features, one per image, read back here."""
         if not snapshot.images:
             return []
-        features = self.journal.features(snapshot.session_id)
-        return _split(features, [tokens for _, tokens in snapshot.images])
+        return _per_image(snapshot, self.journal.features(snapshot.session_id))
 
     def remove(self, session_id: str, reason: str | None = None) -> None:
         """The session went (closed, expired, evicted): its entry goes, and why is noted. A
@@ -114,7 +113,7 @@ class PersistentTier:
         its features and added to ``store`` parked, as an adopted session is (its next turn
         recomputes its KV from them). ``replaces``: the id it was resumed from, whose record
         goes once this one's is written (None: it keeps its id, and its record stands)."""
-        idle_s = 0.0 if replaces else max(0.0, time.time() - snapshot.last_used_wall)
+        idle_s = max(0.0, time.time() - snapshot.last_used_wall)  # a resumed one's: none
         joined = torch.cat(features) if features else torch.empty(0)
         if not self.journal.save(snapshot, joined):
             raise NoCapacity("the persistent tier cannot keep a resumed session now")

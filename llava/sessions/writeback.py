@@ -95,9 +95,9 @@ class WriteBehind:
         """The session's committed state, to be written; ``features``: its images' (one per
         image) when they changed, None when they did not. ``replaces``: a session this one
         was resumed from, whose record goes once this one's is written."""
-        nbytes = sum(f.numel() * f.element_size() for f in features or ())
-        with self._changed:
-            old = self._pending.pop(snapshot.session_id, None)
+        nbytes = _bytes(features)
+        with self._changed:  # an entry keeps its place in the queue: oldest first
+            old = self._pending.get(snapshot.session_id)
             entry = _Pending(snapshot, features, old.since if old else self._clock())
             if old is not None:
                 self._pending_bytes -= _bytes(old.features)
@@ -117,7 +117,7 @@ class WriteBehind:
     def forget(self, session_id: str) -> None:
         """The session was closed or expired: its record goes (after any write pending)."""
         with self._changed:
-            old = self._pending.pop(session_id, None)
+            old = self._pending.get(session_id)
             self._pending_bytes -= _bytes(old.features if old else None)
             since = old.since if old else self._clock()
             self._pending[session_id] = _Pending(None, None, since, old.replaces if old else [])

@@ -31,6 +31,7 @@ from llava.kv.budget import MemoryBudget
 from llava.sessions import writeback
 from llava.sessions.durable import DurableSessions, record_name
 from llava.sessions.objects import DirectoryObjects, StoreError
+from llava.sessions.record import Snapshot
 from llava.sessions.session import Tier
 
 QUESTIONS = ["What shape is it?", "And its color?", "Say that again.", "What color is the shape?"]
@@ -336,3 +337,36 @@ def test_shared_features_older_than_the_refresh_age_are_written_again(
     engine.ask(first, QUESTIONS[0])  # a turn: its record names the image again
     engine.flush_durable(10)
     assert path.stat().st_mtime > old + 60 and engine.stats().durable.feature_writes == 2
+
+
+def test_a_session_committed_again_keeps_its_place_in_the_writers_queue(tmp_path):
+    """Oldest first: a session dirtied again while waiting is written with its newest state
+    where it stood, not behind the sessions that came after it."""
+    objects = DirectoryObjects(tmp_path)
+    order, gate = [], threading.Event()
+    put = objects.put
+
+    def recording_put(name, data):
+        gate.wait()
+        order.append(name)
+        put(name, data)
+
+    objects.put = recording_put
+    writer = writeback.WriteBehind(DurableSessions(objects, "m", 100), lambda snapshot: [])
+
+    def state(session_id: str, turns: int) -> Snapshot:
+        return Snapshot(session_id, [1, 2], [], turns, time.time(), 60.0)
+
+    writer.dirty(state("first", 0))  # taken by the writer, which waits at the gate
+    deadline = time.monotonic() + 5
+    while writer.counters().pending != 1 or writer._pending:  # the writer holds it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    writer.dirty(state("a", 0))
+    writer.dirty(state("b", 0))
+    writer.dirty(state("a", 1))
+    gate.set()
+    assert writer.flush(5) == []
+    assert order == [record_name(i) for i in ("first", "a", "b")]
+    assert DurableSessions(objects, "m", 100).read("a", time.time()).snapshot.turns == 1
+    writer.stop()
