@@ -15,6 +15,7 @@ STATUS_BY_ERROR: dict[type[errors.EngineError], int] = {
     errors.InvalidRequest: 400,
     errors.SessionNotFound: 400,  # SageMaker clients treat 4xx as "fix the call", not retry
     errors.SessionBusy: 409,  # one ask in flight per session (docs/security.md)
+    errors.SessionChanged: 409,  # a resent conversation met a session that moved on
     errors.ImageSourceNotAllowed: 403,
     errors.ImageTooLarge: 413,
     errors.NotAnImage: 415,

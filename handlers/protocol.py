@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from handlers.chat_protocol import ChatBody, is_chat, parse_chat
 from llava.errors import InvalidRequest, clip, echo
 from llava.intake import parse_image_source
 from llava_wire import (
     CANCEL_TURN,
+    CLOSE,
     CLOSE_SESSION,
     CUSTOM_ATTRIBUTES_HEADER,
     INPUTS_WITHOUT_SESSION,
@@ -68,7 +70,18 @@ class CancelTurn:
     session_id: str
 
 
-Request = OpenSession | AskSession | CloseSession | CancelTurn
+@dataclass(frozen=True)
+class ChatCompletion:
+    """A chat-completions body (docs/wire.md §Chat completions): stateless without a session
+    id, opening a session under ``NEW_SESSION``, else continuing ``session_id``."""
+
+    body: ChatBody
+    session_id: str | None
+    new_session: bool
+    tenant: str | None  # for a new or stateless one (a session keeps its own)
+
+
+Request = OpenSession | AskSession | CloseSession | CancelTurn | ChatCompletion
 
 # Keys that only mean something when asking: an open that carries them would drop them.
 _ASK_KEYS = ("inputs", "parameters", "sampling_params")
@@ -181,18 +194,26 @@ def _check_value(field: str, key: str, value: Any) -> None:
 
 def parse_request(body: Any, headers: Mapping[str, Any]) -> Request:
     payload = parse_body(body)
-    from_header = _checked_id(header(headers, SESSION_HEADER), f"the {SESSION_HEADER} header")
+    raw_id = header(headers, SESSION_HEADER)
+    from_header = _checked_id(raw_id, f"the {SESSION_HEADER} header")
+    if is_chat(payload):
+        new_session = raw_id is not None and raw_id.strip() == NEW_SESSION
+        tenant = tenant_attribute(header(headers, CUSTOM_ATTRIBUTES_HEADER))
+        return ChatCompletion(parse_chat(payload), from_header, new_session, tenant)
     from_body = _checked_id(payload.get("extSessionID"), "'extSessionID'")
     # Without a requestType, a session id says "ask"; no id at all says "open".
     no_id = from_header is None and from_body is None
     kind = payload.get("requestType", NEW_SESSION if no_id else SESSION)
+    if kind == CLOSE:  # AWS's and LMI's spelling: the same request
+        kind = CLOSE_SESSION
+        payload = {**payload, "requestType": CLOSE_SESSION}
     if kind == NEW_SESSION:
         tenant = tenant_attribute(header(headers, CUSTOM_ATTRIBUTES_HEADER))
         return _open(payload, from_header, from_body, tenant)
     if kind not in (SESSION, CLOSE_SESSION, CANCEL_TURN):
         raise InvalidRequest(
-            f"unknown requestType {echo(kind)}; use NEW_SESSION, SESSION, CLOSE_SESSION or "
-            f"{CANCEL_TURN}",
+            f"unknown requestType {echo(kind)}; use NEW_SESSION, SESSION, CLOSE_SESSION (or "
+            f"CLOSE) or {CANCEL_TURN}, or send a chat-completions body with 'messages'",
             code=UNKNOWN_REQUEST_TYPE,
         )
     session_id = _one_session_id(from_header, from_body)

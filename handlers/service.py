@@ -15,22 +15,27 @@ from collections.abc import Callable
 
 from ts.handler_utils.utils import send_intermediate_predict_response
 
+from handlers.chat_protocol import ChatBody, is_chat
+from handlers.chat_replies import ChatChunks, Completion, completion, openai_error
 from handlers.errors import error_response
 from handlers.metrics import SessionMetrics
 from handlers.protocol import (
     AskSession,
     CancelTurn,
+    ChatCompletion,
     CloseSession,
     OpenSession,
+    parse_body,
     parse_request,
     session_header_value,
 )
-from handlers.token_stream import TokenStream
+from handlers.token_stream import LineFormat, TokenStream
 from handlers.turns import TurnsInFlight
 from llava.config import EngineConfig, SettingsError, load_config, setting_source
 from llava.engine import Answer
 from llava.intake import IntakePolicy
 from llava.intake.loader import ImageLoader
+from llava.sched.conversation import ChatImage, ChatTurn, Conversation
 from llava.sessions.reaper import Reaper
 from llava.shards import ShardedEngine
 from llava_wire import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
@@ -38,6 +43,7 @@ from llava_wire import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 logger = logging.getLogger(__name__)
 JSON = "application/json"
 JSON_LINES = "application/jsonlines"
+EVENT_STREAM = "text/event-stream"  # the chat-completions API's stream
 
 
 class LlavaService:
@@ -75,10 +81,15 @@ class LlavaService:
     def serve(self, idx: int, body, context) -> str:
         """The reply to request ``idx``: what TorchServe sends as the final response."""
         reply = _Reply(context, idx)
+        chat = False  # a chat-completions body: its errors in OpenAI's shape
         try:
             reply.content_type(JSON)
-            request = parse_request(body, context.get_all_request_header(idx) or {})
-            if isinstance(request, OpenSession):
+            payload = parse_body(body)
+            chat = is_chat(payload)
+            request = parse_request(payload, context.get_all_request_header(idx) or {})
+            if isinstance(request, ChatCompletion):
+                payload = self._chat(request, reply)
+            elif isinstance(request, OpenSession):
                 payload = self._open(request, reply)
             elif isinstance(request, CloseSession):
                 payload = self._close(request, reply)
@@ -88,6 +99,8 @@ class LlavaService:
                 payload = self._ask(request, reply)
         except Exception as exc:  # every failure becomes a JSON error; the worker lives on
             error = error_response(exc)
+            if chat:
+                error = openai_error(error, getattr(exc, "param", None))
             payload = error.payload
             if not reply.streaming:  # once streaming, headers are gone: the last line says it
                 reply.status(error.status)
@@ -164,6 +177,65 @@ class LlavaService:
         _metrics_never_fail(lambda: self.metrics.turn(answer))
         return _answer_payload(answer)
 
+    def _chat(self, request: ChatCompletion, reply: _Reply) -> dict:
+        """A chat-completions body: its images fetched but for those the session holds
+        (``images_to_fetch``), then the engine's ``chat`` (docs/wire.md §Chat completions)."""
+        body = request.body
+        session_id = None if request.new_session else request.session_id
+        conversation = self._conversation(body, session_id)
+        shape = Completion(body.model)
+        on_token = None
+        if body.stream:
+            reply.content_type(EVENT_STREAM)
+            reply.lines = ChatChunks(shape, body.include_usage)
+            on_token = reply.send_token
+        options = dict(tenant=request.tenant, new_session=request.new_session)
+        parameters = body.parameters
+        if session_id is None:
+            answer = self.engine.chat(conversation, None, parameters, on_token, **options)
+        else:
+            with self.turns.track(session_id) as cancelled:
+                answer = self.engine.chat(
+                    conversation,
+                    session_id,
+                    parameters,
+                    on_token,
+                    cancelled=cancelled.is_set,
+                    **options,
+                )
+        _metrics_never_fail(lambda: self.metrics.turn(answer))
+        session = {}
+        if request.new_session:
+            value = session_header_value(answer.session_id, answer.expires_at)
+            reply.header(SESSION_HEADER, value)
+            reply.header(NEW_SESSION_HEADER, value)
+        if request.new_session or session_id is not None:
+            session = {"session_id": answer.session_id, "expires_at": _iso(answer.expires_at)}
+        if body.stream and not reply.streaming:  # no token came: the stream still starts
+            reply.send_token("", None)
+        return completion(shape, answer, session)
+
+    def _conversation(self, body: ChatBody, session_id: str | None) -> Conversation:
+        """The body's conversation, with the images the session does not hold loaded."""
+        named = tuple(
+            ChatTurn(t.question, tuple(ChatImage(i.ref) for i in t.images), t.answer)
+            for t in body.turns
+        )
+        conversation = Conversation(named, body.system)
+        sources = [image.source for turn in body.turns for image in turn.images]
+        fetch = set(self.engine.images_to_fetch(conversation, session_id))
+        turns, index = [], 0
+        for turn in conversation.turns:
+            images = []
+            for image in turn.images:
+                loaded = None
+                if index in fetch:
+                    loaded = self.images.load(sources[index], fit=self.engine.image_side)
+                images.append(ChatImage(image.ref, loaded))
+                index += 1
+            turns.append(ChatTurn(turn.question, tuple(images), turn.answer))
+        return Conversation(tuple(turns), body.system)
+
 
 class _Reply:
     """Headers, status and streamed chunks of one request."""
@@ -172,6 +244,7 @@ class _Reply:
         self.context = context
         self.idx = idx
         self.code = 200
+        self.lines: LineFormat | None = None  # a streamed reply's lines (default: JSON lines)
         self._stream: TokenStream | None = None  # from the first token on
 
     @property
@@ -192,7 +265,7 @@ class _Reply:
     def send_token(self, text: str, token_id: int | None) -> None:
         """The engine's ``on_token`` (its loop thread): queued, sent by the stream's thread."""
         if self._stream is None:
-            self._stream = TokenStream(self._send)
+            self._stream = TokenStream(self._send, self.lines)
         self._stream.token(text, token_id)
 
     def finish(self, payload: dict) -> str:

@@ -27,6 +27,7 @@ from llava.errors import (
     EngineError,
     InvalidRequest,
     RecordNotFound,
+    SessionChanged,
     SessionNotFound,
     echo,
     log_id,
@@ -39,6 +40,7 @@ from llava.kv.pool import KVPool
 from llava.kv.prefix import scoped
 from llava.model.imageprep import content_key
 from llava.model.loading import LoadedModel, load_model
+from llava.model.prompt import opening_messages
 from llava.model.vision import (
     image_features,
     image_tokens_of,
@@ -50,15 +52,25 @@ from llava.model.weights_digest import weights_digest
 from llava.sampling.logits_mask import banned_token_ids
 from llava.sampling.params import GenerationParams
 from llava.sampling.sampler import Sampler
+from llava.sched.conversation import ChatImage, ChatTurn, Conversation, held_refs, images_kept
 from llava.sched.loop import EngineLoop
 from llava.sched.scheduler import Scheduler
-from llava.sched.work import Answer, Opened, OpenRequest, RequestContext, Resumed, TurnRequest
+from llava.sched.work import (
+    Answer,
+    ChatRequest,
+    Opened,
+    OpenRequest,
+    RequestContext,
+    Resumed,
+    TurnRequest,
+)
 from llava.sessions.durable import DurableSessions, Record
 from llava.sessions.lease import AddedImage, Leases
 from llava.sessions.location import Location, open_journal, persistence
 from llava.sessions.objects import open_objects
 from llava.sessions.persist import model_identity
 from llava.sessions.record import Snapshot
+from llava.sessions.session import Session, Sharing
 from llava.sessions.store import SessionStore, StoreCounters, full_session_id
 from llava.sessions.tier import PersistentTier
 from llava.sessions.writeback import DurableCounters
@@ -227,7 +239,7 @@ class Engine:
         ids = self.loaded.prompt.opening_ids(True, image_tokens=features.shape[0])
         holding = self.memory.hold()
         try:
-            if self.memory.start(holding, len(ids) + 1, image=NewImage(None, features)) is None:
+            if self.memory.start(holding, len(ids) + 1, images=[NewImage(None, features)]) is None:
                 self.runner.step([StepInput(holding.kv, ids, features)])
                 self.runner.step([StepInput(holding.kv, ids[:1], None)])  # not an image token
         except PagedAttentionFailed as e:  # only a forced path lets it out (auto falls back)
@@ -335,15 +347,11 @@ class Engine:
         this answer is the one a session that never had them gives: to regenerate an answer
         or edit a question (docs/engine/life-of-a-turn.md §Rewinding turns).
         """
-        params = GenerationParams.from_mapping(
-            parameters,
-            default_max_new_tokens=self.config.default_max_new_tokens,
-            max_new_tokens_limit=self.config.max_new_tokens_limit,
-        )
+        params = self._params(parameters)
         question = self._check_question(question)
         _check_rewind(rewind_turns)
         self._adopt_unknown(session_id)
-        added = None if image is None else self._added_image(session_id, image)
+        added = [] if image is None else [self._added_image(session_id, image)]
         request = TurnRequest(
             self.context,
             self.config.turn_deadline_s,
@@ -357,6 +365,60 @@ class Engine:
         )
         with self.store.asking(session_id):
             return self.loop.submit(request)
+
+    # -- conversations given whole (docs/engine/sessions.md §Conversations given whole) -----
+    def images_to_fetch(
+        self, conversation: Conversation, session_id: str | None = None
+    ) -> list[int]:
+        """The indexes (in the order the conversation shows its images) of the images a
+        ``chat`` call must be given loaded: all of them without a session, else those past
+        the ones the session holds in that order (SessionNotFound: it is gone)."""
+        return list(range(self._images_held(conversation, session_id), len(conversation.images)))
+
+    def chat(
+        self,
+        conversation: Conversation,
+        session_id: str | None = None,
+        parameters: dict | None = None,
+        on_token: Callable[[str, int | None], None] | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+        tenant: str | None = None,
+        new_session: bool = False,
+    ) -> Answer:
+        """Answer the conversation's last user message.
+
+        With ``session_id`` (and not ``new_session``): the conversation is the session's
+        from now on. What its KV holds of it is kept (an extended conversation prefills only
+        its new message; one that differs from an earlier turn on is recomputed from there,
+        as a rewind), and the images it holds are not fetched again (``images_to_fetch``).
+        With ``new_session``: a session is opened for it under ``session_id`` (None: a new
+        id; ``Answer.session_id``) and kept. With neither: a stateless answer, on a session
+        closed at once. Either way a new session starts on the longest prefix the pool holds
+        for it within ``tenant``'s sharing (``prefix_sharing``), image features included."""
+        params = self._params(parameters)
+        conversation = self._checked(conversation)
+        system = self._check_system(conversation.system)
+        if session_id is not None and not new_session:
+            kept = self._images_held(conversation, session_id)
+            return self._chat_turn(
+                session_id, conversation, system, params, on_token, cancelled, kept
+            )
+        _check_tenant(tenant)
+        conversation = self._keyed(conversation, tenant)
+        session_id = self._blank(
+            session_id, conversation, system, tenant, transient=not new_session
+        )
+        try:
+            answer = self._chat_turn(
+                session_id, conversation, system, params, on_token, cancelled, 0
+            )
+        except BaseException:
+            self.store.close(session_id)  # an open that answered nothing leaves nothing
+            raise
+        if not new_session:
+            self.store.close(session_id)
+        return answer
 
     def close(self, session_id: str) -> str | None:
         """None if this closed it; else why it was already gone (see SessionStore.close).
@@ -528,6 +590,104 @@ class Engine:
             self._continue(record, session_id, replaces=None)
             logger.info("durable store: adopted session %s", log_id(session_id))
 
+    # -- conversations: helpers -------------------------------------------------------------
+    def _images_held(self, conversation: Conversation, session_id: str | None) -> int:
+        """How many of the session's images the conversation shows first, in its order."""
+        if session_id is None:
+            return 0
+        self._adopt_unknown(session_id)
+        session = self.store.session(session_id)
+        return images_kept(held_refs(session.messages, session.opening_images), conversation)
+
+    def _checked(self, conversation: Conversation) -> Conversation:
+        """Each question checked (and stripped) as ``ask`` checks it; each answer tokenizable."""
+        turns = []
+        for turn in conversation.turns:
+            if turn.answer is not None:
+                self._check_tokenizes(turn.answer, "an assistant message")
+            question = self._check_question(turn.question)
+            turns.append(ChatTurn(question, turn.images, turn.answer))
+        return Conversation(tuple(turns), conversation.system)
+
+    def _keyed(self, conversation: Conversation, tenant: str | None) -> Conversation:
+        """Its loaded images keyed for ``tenant`` (once, where the call enters)."""
+        turns = []
+        for turn in conversation.turns:
+            images = tuple(
+                ChatImage(image.ref, self._keyed_for(image.image, tenant)) for image in turn.images
+            )
+            turns.append(ChatTurn(turn.question, images, turn.answer))
+        return Conversation(tuple(turns), conversation.system)
+
+    def _keyed_for(self, image, tenant: str | None):
+        if image is None or isinstance(image, KeyedImage):
+            return image
+        return self.keyed_image(image, tenant)
+
+    def _blank(
+        self,
+        session_id: str | None,
+        conversation: Conversation,
+        system: str,
+        tenant: str | None,
+        transient: bool,
+    ) -> str:
+        """A new session holding nothing yet: its first turn starts on whatever prefix the
+        pool holds for the conversation. Its opening (what ``prefix_sharing: opening`` shares:
+        the prompt up to the first image under the operator's system prompt) is counted as an
+        open's would be."""
+        session_id = full_session_id(session_id)
+        self.store.check_id_free(session_id)
+        opening_tokens = 0  # a caller's own system prompt: nothing is shared as an opening
+        if not conversation.system:
+            first = conversation.turns[0].images
+            tokens = 0
+            if first:
+                loaded = self.loaded
+                image = first[0].image.image
+                tokens = image_tokens_of(image, loaded.processor, loaded.image_aspect_ratio)
+            opening_tokens = len(self.loaded.prompt.opening_ids(bool(first), tokens, system))
+        sharing = Sharing(tenant, opening_tokens)
+        with self.store.opening():
+            session = Session(session_id, [], self.memory.hold(), sharing=sharing)
+            session.messages, session.transient = opening_messages(system), transient
+            with session.lock:
+                self.store.add(session)
+        return session_id
+
+    def _chat_turn(
+        self,
+        session_id: str,
+        conversation: Conversation,
+        system: str,
+        params: GenerationParams,
+        on_token,
+        cancelled,
+        kept: int,
+    ) -> Answer:
+        images = conversation.images[kept:]
+        missing = [kept + i for i, image in enumerate(images) if image.image is None]
+        if missing:  # the caller asked images_to_fetch before the session moved on
+            raise SessionChanged(
+                f"session {session_id} no longer holds the conversation's images {missing} "
+                "(another request's turn came first); send the request again"
+            )
+        added = [self._added_image(session_id, image.image) for image in images]
+        request = ChatRequest(
+            self.context,
+            self.config.turn_deadline_s,
+            session_id,
+            conversation,
+            system,
+            params,
+            on_token,
+            cancelled,
+            kept,
+            added,
+        )
+        with self.store.asking(session_id):
+            return self.loop.submit(request)
+
     # -- helpers ---------------------------------------------------------------------------
     def _pixels(self, image: Image.Image) -> dict[str, torch.Tensor]:
         """The processor's preprocessing: runs in the caller's thread, off the loop."""
@@ -557,6 +717,13 @@ class Engine:
         loaded = self.loaded
         tokens = image_tokens_of(image.image, loaded.processor, loaded.image_aspect_ratio)
         return AddedImage(image.key, tokens, self._encoder(image))
+
+    def _params(self, parameters: dict | None) -> GenerationParams:
+        return GenerationParams.from_mapping(
+            parameters,
+            default_max_new_tokens=self.config.default_max_new_tokens,
+            max_new_tokens_limit=self.config.max_new_tokens_limit,
+        )
 
     def _check_system(self, system) -> str:
         if system is None:

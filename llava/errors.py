@@ -47,6 +47,13 @@ class SessionNotFound(EngineError):
     code = "SESSION_NOT_FOUND"
 
 
+class SessionChanged(EngineError):
+    """The session's conversation changed while a request that resends it was on its way (a
+    turn of another request committed first): send it again (HTTP 409)."""
+
+    code = "SESSION_CHANGED"
+
+
 class ImageSourceNotAllowed(EngineError):
     """The image source (scheme, host or address) is refused by the network policy."""
 

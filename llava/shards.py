@@ -209,19 +209,69 @@ class ShardedEngine:
         image=None,
     ) -> Answer:
         """``Engine.ask`` on the session's shard (which keys ``image`` for its tenant)."""
+        return self._turn_on(
+            session_id,
+            "ask",
+            session_id,
+            question,
+            parameters,
+            on_token,
+            cancelled=cancelled,
+            rewind_turns=rewind_turns,
+            image=image,
+        )
+
+    def _turn_on(self, session_id: str, method: str, *args, **kwargs) -> Any:
+        """The session's shard's ``method`` (a turn), counted as running there."""
         index = self.shard_of(session_id)
+        with self._running(index):
+            return self._call(index, getattr(self.shards[index], method), *args, **kwargs)
+
+    def images_to_fetch(self, conversation, session_id: str | None = None) -> list[int]:
+        """``Engine.images_to_fetch`` on the session's shard (all of them without one)."""
+        if session_id is None:
+            return list(range(len(conversation.images)))
+        index = self.shard_of(session_id)
+        return self._call(index, self.shards[index].images_to_fetch, conversation, session_id)
+
+    def chat(
+        self,
+        conversation,
+        session_id: str | None = None,
+        parameters: dict | None = None,
+        on_token: Callable[[str, int | None], None] | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+        tenant: str | None = None,
+        new_session: bool = False,
+    ) -> Answer:
+        """``Engine.chat``: on the session's shard; a new session placed and bound as an
+        open's is; a stateless answer on the placed shard. The conversation's first image
+        is keyed once, here, for placement (the shard that holds it)."""
+        options = dict(cancelled=cancelled, tenant=tenant)
+        if session_id is not None and not new_session:
+            return self._turn_on(
+                session_id, "chat", conversation, session_id, parameters, on_token, **options
+            )
+        images = conversation.images
+        first = images[0].image if images else None
+        if first is not None and not isinstance(first, KeyedImage):
+            first = self.shards[0].keyed_image(first, tenant)
+        holder = self._holder_of(first)
+        if new_session:
+            return self._start(
+                session_id,
+                holder,
+                lambda engine, new_id: engine.chat(
+                    conversation, new_id, parameters, on_token, new_session=True, **options
+                ),
+            )
+        with self._lock:
+            index = self._place(holder)
         engine = self.shards[index]
         with self._running(index):
             return self._call(
-                index,
-                engine.ask,
-                session_id,
-                question,
-                parameters,
-                on_token,
-                cancelled=cancelled,
-                rewind_turns=rewind_turns,
-                image=image,
+                index, engine.chat, conversation, None, parameters, on_token, **options
             )
 
     def close(self, session_id: str) -> str | None:

@@ -25,7 +25,9 @@ NEW_SESSION = "NEW_SESSION"
 SESSION = "SESSION"
 CLOSE_SESSION = "CLOSE_SESSION"
 CANCEL_TURN = "CANCEL_TURN"  # the front and the local endpoint send it when a caller hangs up
-REQUEST_TYPES = (NEW_SESSION, SESSION, CLOSE_SESSION, CANCEL_TURN)
+# CLOSE_SESSION as AWS's stateful-sessions page, LMI and vLLM spell it: the same request.
+CLOSE = "CLOSE"
+REQUEST_TYPES = (NEW_SESSION, SESSION, CLOSE_SESSION, CLOSE, CANCEL_TURN)
 
 # Error codes: {"error": {"code", "message"}}; the status for each is handlers/errors.py's.
 SESSION_NOT_FOUND = "SESSION_NOT_FOUND"
@@ -61,6 +63,10 @@ IMAGE_FETCH_FAILED = "IMAGE_FETCH_FAILED"
 NO_CAPACITY = "NO_CAPACITY"
 KV_MEMORY_FULL = "KV_MEMORY_FULL"
 SESSION_BUSY = "SESSION_BUSY"
+# The chat-completions API (docs/wire.md §Chat completions)
+SESSION_CHANGED = "SESSION_CHANGED"  # a resent conversation met a session that moved on: resend
+SYSTEM_CHANGED = "SYSTEM_CHANGED"  # a session keeps its system prompt
+UNSUPPORTED_FIELD = "UNSUPPORTED_FIELD"  # a chat-completions field the engine does not do
 OVERLOADED = "OVERLOADED"
 NOT_FOUND = "NOT_FOUND"  # the container front: a path it does not serve
 METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
@@ -106,6 +112,9 @@ ERROR_CODES = (
         NO_CAPACITY,
         KV_MEMORY_FULL,
         SESSION_BUSY,
+        SESSION_CHANGED,
+        SYSTEM_CHANGED,
+        UNSUPPORTED_FIELD,
         OVERLOADED,
         NOT_FOUND,
         METHOD_NOT_ALLOWED,

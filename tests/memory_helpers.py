@@ -54,10 +54,10 @@ def make_session(
 ) -> Session:
     """An opened session (not yet in a store: its holding is pinned until added)."""
     holding = memory.hold()
-    image = None
+    images = []
     if feature_rows:
-        image = NewImage(None, torch.full((feature_rows, FEATURE_HIDDEN), value))
-    assert memory.start(holding, tokens, image=image) is None
+        images = [NewImage(None, torch.full((feature_rows, FEATURE_HIDDEN), value))]
+    assert memory.start(holding, tokens, images=images) is None
     session = Session(session_id or new_session_id(), list(range(tokens)), holding)
     write(memory, session, tokens, value)
     return session

@@ -189,7 +189,7 @@ class MemoryManager:
         with self._lock:
             if holding.kv is not None or holding.host is None:
                 raise ValueError("only a host copy is restored")
-            return self._start(holding, holding.host.length, holding.block_keys, (), None, may_drop)
+            return self._start(holding, holding.host.length, holding.block_keys, (), (), may_drop)
 
     def start(
         self,
@@ -197,37 +197,38 @@ class MemoryManager:
         tokens: int,
         prefix: list[bytes] = (),
         features: Sequence[torch.Tensor | None] = (),
-        image: NewImage | None = None,
+        images: Sequence[NewImage] = (),
         may_drop: bool = True,
     ) -> Shortfall | None:
         """A new device KV with room for ``tokens`` tokens, on the longest published run of
         ``prefix`` (the content keys of the ids it will hold; ``holding.kv.length`` says how
         much). ``features``: those of its images, one per image, stored for every parked one
-        (a parked image's must be given); ``image``: a new image it holds from now on."""
+        (a parked image's must be given); ``images``: new images it holds from now on, in
+        the order its prompt shows them."""
         with self._lock:
             if holding.kv is not None or holding.host is not None:
                 raise ValueError("a holding with KV grows or is restored; it does not start")
-            return self._start(holding, tokens, list(prefix), features, image, may_drop)
+            return self._start(holding, tokens, list(prefix), features, images, may_drop)
 
     def grow(
         self,
         holding: Holding,
         extra_tokens: int,
-        image: NewImage | None = None,
+        images: Sequence[NewImage] = (),
         may_drop: bool = True,
     ) -> Shortfall | None:
-        """Room for ``extra_tokens`` more tokens in its device KV; ``image``: a new image it
+        """Room for ``extra_tokens`` more tokens in its device KV; ``images``: new images it
         holds from now on."""
         with self._lock:
             kv = holding.kv
-            shared = self._features.share_new(image)
-            needed = self.pool.blocks_needed(kv, extra_tokens) + self._features.to_store(image)
+            shared = self._share_new(images)
+            needed = self.pool.blocks_needed(kv, extra_tokens) + self._to_store(images)
             total = kv.length + extra_tokens
             shortfall = self._room_for(holding, None, needed, total, may_drop, shared)
             if shortfall is not None:
                 return shortfall
             kv.reserve(extra_tokens)
-            self._add_new(holding, image, shared)  # its tier stays KV
+            self._add_new(holding, images, shared)  # its tier stays KV
             return None
 
     def publish(self, holding: Holding, keys: list[bytes]) -> None:
@@ -353,7 +354,7 @@ class MemoryManager:
         total: int,
         prefix: list[bytes],
         features: Sequence[torch.Tensor | None],
-        image: NewImage | None,
+        images: Sequence[NewImage],
         may_drop: bool,
     ) -> Shortfall | None:
         # shared blocks are taken first, so the room made for the rest cannot reclaim them
@@ -361,19 +362,19 @@ class MemoryManager:
         parked = [(held, given.get(i)) for i, held in enumerate(holding.images) if not held.blocks]
         if any(f is None for _, f in parked):
             raise ValueError("a parked session's features must come back with it")
-        shared = self._features.share_new(image)
+        shared = self._share_new(images)
         kv = self.pool.new_kv()
         kv.attach(self.pool.match(prefix))
         needed = blocks_for(total, self.pool.block_tokens) - len(kv.blocks)
         needed += sum(self._features.blocks_for(f) for _, f in parked)
-        needed += self._features.to_store(image)
+        needed += self._to_store(images)
         shortfall = self._room_for(holding, kv, needed, total, may_drop, shared)
         if shortfall is not None:
             return shortfall
         with self._retiering(holding):
             for held, f in parked:
                 held.blocks = self._features.store(held.key, f)[0]
-            self._add_new(holding, image, shared)
+            self._add_new(holding, images, shared)
             self._start_kv(holding, kv, total, prefix)
         return None
 
@@ -384,11 +385,11 @@ class MemoryManager:
         needed: int,
         total: int,
         may_drop: bool,
-        shared: Shared | None = None,
+        shared: Sequence[Shared | None] = (),
     ) -> Shortfall | None:
         """Make room for ``needed`` more blocks (``_make_room``); on a Shortfall, or when the
         whole pool never could (NoCapacity, raised), ``new_kv``'s shared blocks and the
-        ``shared`` reference of a new image (FeatureStore.share_new) go back."""
+        ``shared`` references of new images (``_share_new``) go back."""
         held = len(holding.device_blocks) + (0 if new_kv is None else len(new_kv.blocks))
         try:
             if needed + held > self.pool.total_blocks:
@@ -406,18 +407,43 @@ class MemoryManager:
             self._give_back_new(new_kv, shared)
         return shortfall
 
-    def _add_new(self, holding: Holding, image: NewImage | None, shared: Shared | None) -> None:
-        """The new image joins the holding, on its shared blocks or stored now."""
-        if image is not None:
-            holding.images.append(self._features.held(image, shared))
-            if shared is not None:
+    def _share_new(self, images: Sequence[NewImage]) -> list[Shared | None]:
+        """A reference to each new image's features the pool holds (FeatureStore.share_new),
+        taken before any room is made. An image shown twice among them is stored once: the
+        later ones share the first one's blocks (``_add_new``)."""
+        shared, seen = [], set()
+        for image in images:
+            repeated = image.key is not None and image.key in seen
+            shared.append(None if repeated else self._features.share_new(image))
+            seen.add(image.key)
+        return shared
+
+    def _to_store(self, images: Sequence[NewImage]) -> int:
+        """The blocks the new images' features take where they are not shared."""
+        stored, total = set(), 0
+        for image in images:
+            if image.key is None or image.key not in stored:
+                total += self._features.to_store(image)
+            stored.add(image.key)
+        return total
+
+    def _add_new(
+        self, holding: Holding, images: Sequence[NewImage], shared: Sequence[Shared | None]
+    ) -> None:
+        """The new images join the holding, on shared blocks or stored now (once each)."""
+        for image, found in zip(images, shared, strict=True):
+            if found is None and image.key is not None:
+                found = self._features.share(image.key)  # stored just now for an earlier one
+            holding.images.append(self._features.held(image, found))
+            if found is not None:
                 self._count(feature_hits=1)
 
-    def _give_back_new(self, new_kv: SessionKV | None, shared: Shared | None) -> None:
+    def _give_back_new(self, new_kv: SessionKV | None, shared: Sequence[Shared | None]) -> None:
         if new_kv is not None:
             new_kv.free()
-        if shared is not None:
-            self._features.let_go(shared[0])
+        for found in shared:
+            if found is not None:
+                self._features.let_go(found[0])
 
     def _movable(self, idle: list[Holding]) -> int:
         """Blocks that moving every idle holding off the device would free: those that only

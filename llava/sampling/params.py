@@ -11,7 +11,17 @@ from llava.errors import InvalidRequest, clip, echo
 # Names accepted from the wire, with the aliases that OpenAI/TGI-style clients and the seeds'
 # client (``max_new_token``) send.
 _ALIASES = {"max_tokens": "max_new_tokens", "max_new_token": "max_new_tokens"}
-_KNOWN = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "do_sample", "seed"}
+_KNOWN = {
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "do_sample",
+    "seed",
+    "stop",
+}
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's count; a bound on the text held back
 # Sending any of these asks for sampling unless ``do_sample`` says otherwise, as OpenAI-style
 # clients expect (they send ``temperature`` alone).
 _SAMPLING = ("temperature", "top_p", "top_k")
@@ -29,6 +39,9 @@ class GenerationParams:
     top_k: int = 0  # 0, or at least the vocabulary (the sampler takes min(top_k, vocab)): no cut
     do_sample: bool = False
     seed: int | None = None
+    stop: tuple[
+        str, ...
+    ] = ()  # the answer ends before the first of these (llava.sampling.stop_text)
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +76,7 @@ class GenerationParams:
             top_k=_int(values, "top_k", 0, 0, 1_000_000),
             do_sample=_bool(values, "do_sample", any(name in values for name in _SAMPLING)),
             seed=_int(values, "seed", None, 0, 2**63 - 1),
+            stop=_stops(values.get("stop", ())),
         )
 
 
@@ -101,3 +115,17 @@ def _bool(values: dict, name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequest(f"'{name}' must be true or false, got {echo(value)}")
     return value
+
+
+def _stops(value) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list | tuple)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        raise InvalidRequest(
+            f"'stop' must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+            f"{MAX_STOP_CHARS} characters, got {echo(value)}"
+        )
+    return tuple(stops)

@@ -13,14 +13,14 @@ history, and a failure demotes its session but leaves its history
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
 
 import torch
 
-from llava.errors import InvalidRequest
+from llava.errors import InvalidRequest, SessionChanged
 from llava.exec.runner import StepInput
 from llava.kv.holding import Tier
 from llava.kv.memory import Shortfall
@@ -36,6 +36,8 @@ from llava.model.prompt import (
 from llava.sampling.chooser import Chooser
 from llava.sampling.detokenizer import Detokenizer
 from llava.sampling.params import GenerationParams
+from llava.sampling.stop_text import StopText
+from llava.sched.conversation import Conversation, held_refs, images_kept, system_of
 from llava.sessions.lease import AddedImage, Leases, OpeningLease, TurnLease, TurnPrompt
 from llava.sessions.session import Session
 
@@ -88,8 +90,9 @@ class RequestContext:
             )
 
 
-# Why a turn ended; only "eos" is a finished answer.
+# Why a turn ended; "eos" and "stop_sequence" are finished answers.
 EOS, MAX_NEW_TOKENS, DEADLINE, CANCELLED = "eos", "max_new_tokens", "deadline", "cancelled"
+STOP_SEQUENCE = "stop_sequence"  # the text reached one of the parameters' ``stop``
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,8 @@ class Answer:
     session_id: str
     text: str
     token_ids: tuple[int, ...]
-    finished: bool  # True only when the answer ended with an end token
-    stop_reason: str  # eos, max_new_tokens, deadline or cancelled
+    finished: bool  # True only when the answer ended: an end token or a stop sequence
+    stop_reason: str  # eos, stop_sequence, max_new_tokens, deadline or cancelled
     new_tokens: int  # prefilled this turn
     cached_tokens: int  # reused from the session's KV cache
     tier: Tier  # the session's tier when the turn started
@@ -269,13 +272,13 @@ class TurnRequest(_Request):
         on_token: Callable[[str, int | None], None] | None,
         cancelled: Callable[[], bool] | None,
         rewind_turns: int = 0,
-        image: AddedImage | None = None,
+        images: Sequence[AddedImage] = (),
     ):
-        """``image``: one the turn brings, shown in its user message before the question."""
+        """``images``: those the turn brings, shown in its user message before the question."""
         super().__init__(context, deadline_s)
         self.order_key = session_id
         self.question = question
-        self.image = image
+        self.images = list(images)
         self.rewind_turns = rewind_turns
         self.params = params
         self.on_token = on_token
@@ -283,9 +286,10 @@ class TurnRequest(_Request):
         self.tier: Tier | None = None  # where the first try found the session's KV
         self.chooser = Chooser(params, context.eos_token_ids)
         self.detokenizer = Detokenizer(context.tokenizer)
+        self.stop_text = StopText(params.stop)
         self.first_token_at: float | None = None
         self.lease: TurnLease = context.leases.turn(
-            session_id, self._render, params.max_new_tokens, image
+            session_id, self._render, params.max_new_tokens, self.images
         )
 
     @property
@@ -311,13 +315,17 @@ class TurnRequest(_Request):
         kept = self._kept_messages(session)
         first = not questions_asked(kept)
         kept_images = session.opening_images if first else images_shown(kept)
-        new = int(self.image is not None)
-        if new:
-            self.context.check_images(kept_images + new)
-        shown = (session.opening_images if first else 0) + new
+        shown = (session.opening_images if first else 0) + len(self.images)
         self.messages = [*kept, user_message(self.question, shown)]
+        return self._prompt(session, kept_images)
+
+    def _prompt(self, session: Session, kept_images: int) -> TurnPrompt:
+        """``self.messages`` as ids, showing the session's first ``kept_images`` images and
+        then the turn's own; refused past the session's images or the length limits."""
+        if self.images:
+            self.context.check_images(kept_images + len(self.images))
         counts = [image.tokens for image in session.holding.images[:kept_images]]
-        counts += [self.image.tokens] if new else []
+        counts += [image.tokens for image in self.images]
         prompt = self.context.prompt.ids(self.messages, counts)
         self.context.check_length(len(prompt) + self.params.max_new_tokens)
         return TurnPrompt(prompt, kept_images)
@@ -347,22 +355,25 @@ class TurnRequest(_Request):
         self._emit(self.detokenizer.push(token), token)
         if self.chooser.ended:
             return EOS
+        if self.stop_text.stopped:
+            return STOP_SEQUENCE
         if self.chooser.exhausted:
             return MAX_NEW_TOKENS
         self.feed.append(token)
         return None
 
     def _emit(self, text: str, token_id: int | None) -> None:
+        text = self.stop_text.push(text)
         if self.on_token is not None:
             self.on_token(text, token_id)
 
     def finish(self, reason: str) -> None:
-        held_back = self.detokenizer.flush()
-        if held_back:
-            self._emit(held_back, None)
+        held_back = self.stop_text.push(self.detokenizer.flush()) + self.stop_text.flush()
+        if held_back and self.on_token is not None:
+            self.on_token(held_back, None)
         lease = self.lease
         generated = self.chooser.generated
-        text = self.detokenizer.text
+        text = self.stop_text.text
         # No end token in the history: the chat template renders none after an answer, so
         # keeping one would make every follow-up diverge from what the checkpoint sees.
         answer_ids = generated[:-1] if reason == EOS else generated
@@ -375,7 +386,7 @@ class TurnRequest(_Request):
                 session_id=lease.session_id,
                 text=text,
                 token_ids=tuple(generated),
-                finished=reason == EOS,
+                finished=reason in (EOS, STOP_SEQUENCE),
                 stop_reason=reason,
                 new_tokens=len(lease.ids) - lease.reused,
                 cached_tokens=lease.reused,
@@ -392,3 +403,54 @@ class TurnRequest(_Request):
     def fail(self, error: BaseException) -> None:
         self.lease.abort()
         self.future.set_exception(error)
+
+
+class ChatRequest(TurnRequest):
+    """A turn given as the whole conversation, as a chat-completions client resends it
+    (llava.sched.conversation): its prompt is the conversation's, and the lease keeps what
+    the session's KV holds of it (the common prefix, as after a rewind), so an extended
+    conversation prefills only its new message, and an edited one rewinds to the edit.
+
+    ``kept``: how many of the session's images the caller found the conversation shows
+    first (``Engine.images_to_fetch``); ``images``: the conversation's images after those,
+    loaded. Should the session have moved on since (another request's turn committed), so
+    that it no longer holds those ``kept``, the turn is refused (SessionChanged)."""
+
+    def __init__(
+        self,
+        context: RequestContext,
+        deadline_s: float,
+        session_id: str,
+        conversation: Conversation,
+        system: str,
+        params: GenerationParams,
+        on_token: Callable[[str, int | None], None] | None,
+        cancelled: Callable[[], bool] | None,
+        kept: int,
+        images: Sequence[AddedImage],
+    ):
+        question = conversation.turns[-1].question
+        super().__init__(
+            context, deadline_s, session_id, question, params, on_token, cancelled, 0, images
+        )
+        self.conversation = conversation
+        self.system = system
+        self.kept = kept
+
+    def _render(self, session: Session) -> TurnPrompt:
+        if self.tier is None:
+            self.tier = session.tier
+        if system_of(session.messages) != self.system:
+            raise InvalidRequest(
+                "the system message differs from the session's: a session keeps the system "
+                "prompt it was opened with; send that one, or start a new session",
+                code="SYSTEM_CHANGED",
+            )
+        held = held_refs(session.messages, session.opening_images)
+        if images_kept(held, self.conversation) < self.kept:
+            raise SessionChanged(
+                f"session {session.session_id} changed while this request was on its way "
+                "(another request's turn came first); send it again"
+            )
+        self.messages = self.conversation.messages(self.system)
+        return self._prompt(session, self.kept)

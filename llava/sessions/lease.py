@@ -11,9 +11,9 @@ now; the request may try again (``take`` is repeatable until it succeeds).
 
 An opening's lease is a session not yet in the store: its image's features are shared if the
 pool holds them, else computed (the caller's ``encode``, once, kept across a wait for room);
-its commit adds the session. A turn may bring an image too (``AddedImage``), taken the same way
+its commit adds the session. A turn may bring images too (``AddedImage``), taken the same way
 and held from then on; a turn's commit lets go of the images of the turns it rewound, its
-abort of the image it brought. Either way the commit publishes the KV for the sessions its
+abort of the images it brought. Either way the commit publishes the KV for the sessions its
 sharing allows and writes the persistent tier before the reply goes.
 """
 
@@ -85,12 +85,13 @@ class Leases:
         session_id: str,
         render: Callable[[Session], TurnPrompt],
         new_tokens: int,
-        image: AddedImage | None = None,
+        images: Sequence[AddedImage] = (),
     ) -> TurnLease:
         """A lease on a live session for one turn, not yet taken. ``render(session)``: the
         turn's prompt (called under the session's turn lock; may raise to refuse the turn);
-        ``new_tokens``: the most the answer may add; ``image``: one the turn brings."""
-        return TurnLease(self, session_id, render, new_tokens, image)
+        ``new_tokens``: the most the answer may add; ``images``: those the turn brings, in
+        the order its prompt shows them after the session's."""
+        return TurnLease(self, session_id, render, new_tokens, images)
 
     def opening(
         self,
@@ -143,7 +144,8 @@ class Leases:
         ids = session.token_ids[: holding.kv.length]
         keys = self.prefix_keys(shown(holding.images), session.sharing, ids, holding.block_keys)
         self.memory.publish(holding, keys)
-        self.tier.write(session, with_features)
+        if not session.transient:
+            self.tier.write(session, with_features)
 
     def _committed(self, session: Session) -> Committed:
         return Committed(self.store.expires_at(session), session.image_tokens, session.images)
@@ -164,7 +166,7 @@ class _Lease:
 
     def __init__(self, leases: Leases):
         self._leases = leases
-        self._features: torch.Tensor | None = None  # the image it adds, computed once
+        self._computed: dict[int, torch.Tensor] = {}  # the images it adds, computed once each
 
     @property
     def kv(self) -> SessionKV:
@@ -198,17 +200,18 @@ class _Lease:
         return self._leases.memory.features(self.holding, self.images)
 
     def _new_image(
-        self, key: bytes | None, encode: Callable[[], torch.Tensor]
+        self, key: bytes | None, encode: Callable[[], torch.Tensor], index: int = 0
     ) -> tuple[NewImage, int]:
-        """The image to add, and its image tokens: shared where the pool holds its features
-        (asked just before the reservation that takes them: nothing reclaims them between),
-        else computed once (kept across a wait for room)."""
+        """The ``index``-th image to add, and its image tokens: shared where the pool holds its
+        features (asked just before the reservation that takes them: nothing reclaims them
+        between), else computed once (kept across a wait for room)."""
         shape = None if key is None else self._leases.memory.image_shape(key)
         if shape is not None:
             return NewImage(key), shape[0]
-        if self._features is None:
-            self._features = encode()
-        return NewImage(key, self._features), self._features.shape[0]
+        if index not in self._computed:
+            self._computed[index] = encode()
+        features = self._computed[index]
+        return NewImage(key, features), features.shape[0]
 
     def rewind(self, length: int) -> None:
         """Forget what a failed step wrote past ``length`` (its blocks stay reserved)."""
@@ -222,20 +225,20 @@ class TurnLease(_Lease):
         session_id: str,
         render: Callable[[Session], TurnPrompt],
         new_tokens: int,
-        image: AddedImage | None,
+        images: Sequence[AddedImage],
     ):
         super().__init__(leases)
         self.session_id = session_id
         self._render = render
         self._new_tokens = new_tokens
-        self._image = image
+        self._added = list(images)
         self._read_back: list[torch.Tensor] | None = None  # a parked session's, read once
         self.session: Session | None = None
 
     @property
-    def brought(self) -> HeldImage | None:
-        """The image this turn brought, once taken."""
-        return self.images[-1] if self._image is not None else None
+    def brought(self) -> list[HeldImage]:
+        """The images this turn brought, once taken."""
+        return self.images[len(self.images) - len(self._added) :]
 
     def _acquire(self) -> Session:
         return self._leases.store.begin_turn(self.session_id)
@@ -245,8 +248,8 @@ class TurnLease(_Lease):
 
     def _taken(self, session: Session) -> None:
         self.session, self.holding = session, session.holding
-        if self._image is not None:
-            self.images.append(self.holding.images[-1])
+        if self._added:
+            self.images += self.holding.images[-len(self._added) :]
 
     def _reserve(self, session: Session, may_drop: bool) -> Shortfall | None:
         prompt = self._render(session)
@@ -260,25 +263,24 @@ class TurnLease(_Lease):
                 return shortfall
         if holding.kv is not None:
             self.reused = self._keep_common_prefix(holding, session.token_ids)
-            image = self._turns_image()
-            return memory.grow(holding, total - self.reused, image, may_drop)
+            images = self._turns_images()
+            return memory.grow(holding, total - self.reused, images, may_drop)
         features = self._parked_features(session)
         # at least one id is prefilled: its logits start the answer
-        images = shown(self.images)
-        if self._image is not None:
-            images.append((self._image.key, self._image.tokens))
+        images = shown(self.images) + [(added.key, added.tokens) for added in self._added]
         keys = self._leases.prefix_keys(images, session.sharing, ids[:-1])
-        shortfall = memory.start(holding, total, keys, features, self._turns_image(), may_drop)
+        shortfall = memory.start(holding, total, keys, features, self._turns_images(), may_drop)
         self.reused = 0 if shortfall else holding.kv.length  # a shared prefix, if any
         return shortfall
 
-    def _turns_image(self) -> NewImage | None:
-        if self._image is None:
-            return None
-        image, tokens = self._new_image(self._image.key, self._image.encode)
-        if tokens != self._image.tokens:  # the prompt counted them before they existed
-            raise ValueError(f"the image has {tokens} features, {self._image.tokens} counted")
-        return image
+    def _turns_images(self) -> list[NewImage]:
+        images = []
+        for index, added in enumerate(self._added):
+            image, tokens = self._new_image(added.key, added.encode, index)
+            if tokens != added.tokens:  # the prompt counted them before they existed
+                raise ValueError(f"the image has {tokens} features, {added.tokens} counted")
+            images.append(image)
+        return images
 
     def _keep_common_prefix(self, holding: Holding, history: list[int]) -> int:
         """Crop the KV to the longest prefix it shares with the prompt; return its length.
@@ -332,20 +334,20 @@ class TurnLease(_Lease):
         rewound = [image for image in holding.images if image not in self.images]
         leases.memory.drop_images(holding, rewound)
         session.token_ids, session.messages, session.turns = token_ids, messages, turns
-        leases._finish(session, with_features=bool(rewound) or self._image is not None)
+        leases._finish(session, with_features=bool(rewound) or bool(self._added))
         leases.store.end_turn(session)
         self.session = None
         leases.store.record_turn(len(self.ids) - self.reused, self.reused)
         return leases._committed(session)
 
     def abort(self) -> None:
-        """The turn failed: its KV (which may hold part of it) and the image it brought go,
+        """The turn failed: its KV (which may hold part of it) and the images it brought go,
         the history stays."""
         if self.session is not None:
             memory, holding = self._leases.memory, self.session.holding
             memory.drop_kv(holding)
-            if self.brought is not None:
-                memory.drop_images(holding, [self.brought])
+            if self.brought:
+                memory.drop_images(holding, self.brought)
             self._leases.store.end_turn(self.session)
             self.session = None
 
@@ -381,19 +383,21 @@ class OpeningLease(_Lease):
 
     def _reserve(self, holding: Holding, may_drop: bool) -> Shortfall | None:
         leases = self._leases
-        image, image_tokens = None, 0
+        new, image_tokens = [], 0
         if self._encode is not None:
             image, image_tokens = self._new_image(self._image_key, self._encode)
+            new = [image]
         self.ids = self._render(image_tokens)
         opening_tokens = 0 if self._callers_system else len(self.ids)
         self.sharing = replace(self.sharing, opening_tokens=opening_tokens)
-        images = [] if image is None else [(image.key, image_tokens)]
+        images = [(image.key, image_tokens) for image in new]
         keys = leases.prefix_keys(images, self.sharing, self.ids)
-        return leases.memory.start(holding, len(self.ids), keys, (), image, may_drop)
+        return leases.memory.start(holding, len(self.ids), keys, (), new, may_drop)
 
     def features(self) -> torch.Tensor | None:
         """Its image's features: at hand when this open computed them."""
-        return self._features if self._features is not None else super().features()
+        computed = self._computed.get(0)
+        return computed if computed is not None else super().features()
 
     def commit(self, token_ids: list[int], messages: list[dict], turns: int = 0) -> Committed:
         """The session joins the store, written to the persistent tier before anyone else can

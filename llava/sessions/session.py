@@ -40,6 +40,9 @@ class Session:
     # Images its open brought (0 or 1): shown in its first question's message, before any
     # image that question brings (the rest are the messages' own image parts).
     opening_images: int = 0
+    # A stateless answer's session: never written to the persistent tier, closed after its
+    # one turn (llava.engine.Engine.chat without a session).
+    transient: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property

@@ -380,6 +380,8 @@ class SessionStore:
     def _remove(self, session_id: str, reason: str) -> None:
         session = self._sessions.pop(session_id)
         self.memory.release(session.holding)  # a no-op for an evicted one
+        if session.transient:  # nothing of it was kept, and no caller knows its id
+            return
         self.journal.remove(session_id, reason)
         self._remember(session_id, reason)
 

@@ -36,7 +36,7 @@ def test_features_live_in_pool_blocks_and_come_back_exactly():
     memory = new_memory(blocks=8)
     holding = memory.hold()
     features = torch.randn(40, FEATURE_HIDDEN)  # 320 elements: 2 blocks of 256
-    assert memory.start(holding, 3, image=NewImage(None, features)) is None
+    assert memory.start(holding, 3, images=[NewImage(None, features)]) is None
     assert len(holding.feature_blocks) == 2
     assert torch.equal(memory.features(holding), features)
     stats = memory.stats()
@@ -204,18 +204,18 @@ def test_a_turns_new_image_is_all_or_nothing():
     memory = store.memory
     owner = make_session(memory, tokens=4, feature_rows=0)  # 2 blocks
     image = torch.full((40, FEATURE_HIDDEN), 7.0)  # 2 blocks
-    assert memory.grow(owner.holding, 2, image=NewImage(b"picture", image)) is None
+    assert memory.grow(owner.holding, 2, images=[NewImage(b"picture", image)]) is None
     store.add(owner)
     busy = make_session(memory, tokens=8, feature_rows=0)  # 4 blocks, pinned
     with store.use(owner.session_id) as session:
         before = memory.pool.free_blocks
         refs = [memory.pool.refs(b) for b in session.holding.images[0].blocks]
         # the same image again and more tokens than the pool has free: a Shortfall
-        shortfall = memory.grow(session.holding, 2 * 6, image=NewImage(b"picture"))
+        shortfall = memory.grow(session.holding, 2 * 6, images=[NewImage(b"picture")])
         assert isinstance(shortfall, Shortfall) and len(session.holding.images) == 1
         assert [memory.pool.refs(b) for b in session.holding.images[0].blocks] == refs
         assert memory.pool.free_blocks == before
-        assert memory.grow(session.holding, 2, image=NewImage(b"picture")) is None
+        assert memory.grow(session.holding, 2, images=[NewImage(b"picture")]) is None
         assert torch.equal(memory.features(session.holding, session.holding.images[1:]), image)
         memory.drop_images(session.holding, session.holding.images[1:])
         assert [memory.pool.refs(b) for b in session.holding.images[0].blocks] == refs

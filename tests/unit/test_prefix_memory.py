@@ -115,10 +115,10 @@ def test_features_of_one_image_are_held_once():
     memory = new_memory(blocks=20)
     features = torch.randn(40, FEATURE_HIDDEN)  # 2 blocks
     first = memory.hold()
-    assert memory.start(first, 1, image=NewImage(b"image", features)) is None
+    assert memory.start(first, 1, images=[NewImage(b"image", features)]) is None
     second = memory.hold()
     assert memory.image_shape(b"image") == (40, FEATURE_HIDDEN)
-    assert memory.start(second, 1, image=NewImage(b"image")) is None  # nothing to store
+    assert memory.start(second, 1, images=[NewImage(b"image")]) is None  # nothing to store
     assert second.feature_blocks == first.feature_blocks
     assert torch.equal(memory.features(second), features)
     assert memory.image_shape(b"another image") is None
@@ -168,7 +168,7 @@ def test_the_books_hold_with_shared_prefixes_under_random_pressure(operations):
                 features = torch.full((40, FEATURE_HIDDEN), float(50 + image))
             own = rng.randint(1, 6)
             new_image = NewImage(key, features)
-            if memory.start(holding, len(ids) + own, prefix=keys, image=new_image) is not None:
+            if memory.start(holding, len(ids) + own, prefix=keys, images=[new_image]) is not None:
                 memory.release(holding)
                 shortfalls += 1
                 continue
