@@ -166,3 +166,31 @@ def test_a_conversation_must_end_with_a_question():
         Conversation((ChatTurn("Hi"), ChatTurn("Again")))
     with pytest.raises(InvalidRequest):
         Conversation(())
+
+
+def test_a_restarted_worker_knows_the_images_of_a_chat_session(
+    demo_model, images, control, tmp_path
+):
+    directory = str(tmp_path / "tier")
+    first = new_engine(demo_model, persist_dir=directory)
+    texts = [answer.text for answer in control[:3]]
+    opened = first.chat(conversation(images, []), parameters=GREEDY, new_session=True)
+    for turn in (1, 2):
+        first.chat(conversation(images, texts[:turn]), opened.session_id, GREEDY)
+    first.stop()
+    second = new_engine(demo_model, persist_dir=directory)
+    resent = conversation(images, texts)
+    assert second.images_to_fetch(resent, opened.session_id) == []  # refs kept on disk
+    answer = second.chat(unloaded_images(resent), opened.session_id, GREEDY)
+    assert answer.token_ids == control[3].token_ids
+    second.stop()
+
+
+def test_a_stateless_answer_writes_nothing_to_the_persistent_tier(demo_model, images, tmp_path):
+    engine = new_engine(demo_model, persist_dir=str(tmp_path / "tier"))
+    engine.chat(conversation(images, []), parameters=GREEDY)
+    assert [
+        p.name for p in (tmp_path / "tier").iterdir() if p.suffix in (".state", ".features")
+    ] == []
+    assert engine.stats().sessions == 0
+    engine.stop()
