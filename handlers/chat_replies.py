@@ -9,7 +9,6 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from handlers.errors import ErrorReply
 from llava.engine import Answer
 
 # Why a turn ended, as OpenAI names it: "stop" for an end token or a stop sequence, "length"
@@ -21,8 +20,6 @@ FINISH_REASONS = {
     "max_new_tokens": "length",
     "deadline": "length",
 }
-# OpenAI's error types by status (its SDKs raise a class per status; the type is for humans).
-_ERROR_TYPES = {403: "permission_error", 404: "not_found_error", 410: "not_found_error"}
 
 
 @dataclass(frozen=True)
@@ -103,14 +100,3 @@ class ChatChunks:
 
 def _event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def openai_error(error: ErrorReply, param: str | None) -> ErrorReply:
-    """The same refusal (status, headers, code, message) in OpenAI's error shape."""
-    ours = error.payload["error"]
-    status = error.status
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    if status == 429 or (status == 503 and "Retry-After" in error.headers):
-        kind = "rate_limit_error" if status == 429 else "server_error"
-    shaped = {"message": ours["message"], "type": kind, "param": param, "code": ours["code"]}
-    return ErrorReply(status, {"error": shaped}, error.headers)

@@ -65,3 +65,25 @@ def retry_reply(status: int, code: str, message: str, retry_after_s: float) -> E
 
 def _body(code: str, message: str) -> dict:
     return {"error": {"code": code, "message": message}}
+
+
+# OpenAI's error types by status (its SDKs raise a class per status; the type is for humans).
+OPENAI_ERROR_TYPES = {
+    403: "permission_error",
+    404: "not_found_error",
+    410: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def openai_error(error: ErrorReply, param: str | None = None) -> ErrorReply:
+    """The same refusal (status, headers, code, message) in OpenAI's error shape,
+    ``{"error": {"message", "type", "param", "code"}}``: what a chat-completions request gets,
+    from the handler, the container's front or the local endpoint (docs/wire.md §Chat
+    completions); ``param``: the field at fault, if one is."""
+    ours, status = error.payload["error"], error.status
+    kind = OPENAI_ERROR_TYPES.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    shaped = {"message": ours["message"], "type": kind, "param": param, "code": ours["code"]}
+    return ErrorReply(status, {"error": shaped}, error.headers)

@@ -12,12 +12,13 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
 from ts.handler_utils.utils import send_intermediate_predict_response
 
 from handlers.chat_protocol import ChatBody, is_chat
-from handlers.chat_replies import ChatChunks, Completion, completion, openai_error
-from handlers.errors import error_response
+from handlers.chat_replies import ChatChunks, Completion, completion
+from handlers.errors import error_response, openai_error
 from handlers.metrics import SessionMetrics
 from handlers.protocol import (
     AskSession,
@@ -37,6 +38,7 @@ from llava.intake import IntakePolicy
 from llava.intake.loader import ImageLoader
 from llava.sched.conversation import ChatImage, ChatTurn, Conversation
 from llava.sessions.reaper import Reaper
+from llava.sessions.store import full_session_id
 from llava.shards import ShardedEngine
 from llava_wire import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
 
@@ -122,9 +124,7 @@ class LlavaService:
             if request.image is not None:
                 image = self.images.load(request.image, fit=self.engine.image_side)
             opened = self.engine.open(image, request.session_id, request.system, request.tenant)
-        value = session_header_value(opened.session_id, opened.expires_at)
-        reply.header(SESSION_HEADER, value)
-        reply.header(NEW_SESSION_HEADER, value)
+        _announce(reply, opened.session_id, opened.expires_at)
         payload = {
             "sessionId": opened.session_id,
             "expiresAt": _iso(opened.expires_at),
@@ -179,17 +179,20 @@ class LlavaService:
 
     def _chat(self, request: ChatCompletion, reply: _Reply) -> dict:
         """A chat-completions body: its images fetched but for those the session holds
-        (``images_to_fetch``), then the engine's ``chat`` (docs/wire.md §Chat completions)."""
+        (``images_to_fetch``), then the engine's ``chat`` (docs/wire.md §Chat completions).
+        A new session's id is chosen here, so that a stream's head can announce it (headers
+        set after the first chunk are lost) and a hang-up can cancel it."""
         body = request.body
-        session_id = None if request.new_session else request.session_id
-        conversation = self._conversation(body, session_id)
+        new_id = full_session_id(None) if request.new_session else None
+        session_id = new_id or request.session_id
+        conversation = self._conversation(body, None if new_id else session_id)
         shape = Completion(body.model)
         on_token = None
         if body.stream:
             reply.content_type(EVENT_STREAM)
             reply.lines = ChatChunks(shape, body.include_usage)
-            on_token = reply.send_token
-        options = dict(tenant=request.tenant, new_session=request.new_session)
+            on_token = self._announcing(reply, new_id)
+        options = dict(tenant=request.tenant, new_session=new_id is not None)
         parameters = body.parameters
         if session_id is None:
             answer = self.engine.chat(conversation, None, parameters, on_token, **options)
@@ -204,16 +207,27 @@ class LlavaService:
                     **options,
                 )
         _metrics_never_fail(lambda: self.metrics.turn(answer))
-        session = {}
-        if request.new_session:
-            value = session_header_value(answer.session_id, answer.expires_at)
-            reply.header(SESSION_HEADER, value)
-            reply.header(NEW_SESSION_HEADER, value)
-        if request.new_session or session_id is not None:
-            session = {"session_id": answer.session_id, "expires_at": _iso(answer.expires_at)}
         if body.stream and not reply.streaming:  # no token came: the stream still starts
-            reply.send_token("", None)
+            on_token("", None)
+        if new_id is not None and not reply.streaming:
+            _announce(reply, new_id, answer.expires_at)
+        session = {}
+        if session_id is not None:
+            session = {"session_id": answer.session_id, "expires_at": _iso(answer.expires_at)}
         return completion(shape, answer, session)
+
+    def _announcing(self, reply: _Reply, new_id: str | None) -> Callable[[str, int | None], None]:
+        """``reply.send_token``, announcing a new session in the stream's head: its expiry
+        then is the TTL from now (the session's idle clock starts at its commit, a little
+        later)."""
+
+        def on_token(text: str, token_id: int | None) -> None:
+            if new_id is not None and not reply.streaming:
+                expires_at = datetime.now(UTC) + timedelta(seconds=self.config.session_ttl_s)
+                _announce(reply, new_id, expires_at)
+            reply.send_token(text, token_id)
+
+        return on_token
 
     def _conversation(self, body: ChatBody, session_id: str | None) -> Conversation:
         """The body's conversation, with the images the session does not hold loaded."""
@@ -298,6 +312,13 @@ def _metrics_never_fail(emit: Callable[[], None]) -> None:
         emit()
     except Exception:
         logger.exception("publishing session metrics failed")
+
+
+def _announce(reply: _Reply, session_id: str, expires_at: datetime) -> None:
+    """A new session's headers, as an open's (SageMaker binds the id to this instance)."""
+    value = session_header_value(session_id, expires_at)
+    reply.header(SESSION_HEADER, value)
+    reply.header(NEW_SESSION_HEADER, value)
 
 
 def _iso(moment) -> str:

@@ -26,6 +26,15 @@ line, as the container's front (serving/front.py) answers them (serving/interrup
 Streamed replies are framed as ``PayloadPart`` events. Every reply names the instance in
 ``X-Local-Endpoint-Instance`` (SageMaker has no such header; tests use it to see stickiness).
 
+``POST /endpoints/{name}/openai/v1/chat/completions`` is SageMaker's OpenAI-compatible path
+(what OpenAI's SDKs call with ``base_url=.../endpoints/{name}/openai/v1``): routed by the session
+header as an invocation is, the body forwarded unchanged to the same ``/invocations``, and the
+container's reply passed on raw (status, headers, body; server-sent events chunk by chunk as
+they come), as SageMaker returns it. What the endpoint answers itself there (an unknown
+endpoint, route or session, what the container's front would say) is in OpenAI's error shape,
+``{"error": {"message", "type", "param", "code"}}``, with the status and code an invocation
+gets.
+
 Not SageMaker's: ``POST /local-admin/instances/{name}/replace[?kill=1]``, from loopback only,
 replaces an instance as SageMaker replaces one (local_endpoint/__main__.py ``Slot.replace``;
 docs/client.md §Replacing an instance) and answers, once the fresh one is READY, what it did.
@@ -41,9 +50,10 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from handlers.errors import ErrorReply
+from handlers.errors import ErrorReply, openai_error
 from llava.errors import clip, echo
 from llava_wire import (
+    CLOSE,
     CLOSE_SESSION,
     CLOSED_SESSION_HEADER,
     INVALID_SESSION_ID,
@@ -57,20 +67,25 @@ from llava_wire import (
 )
 from local_endpoint import eventstream
 from local_endpoint.router import Backend, Loss, Router
-from serving.interrupted import (
-    WORKER_DIED_STATUS,
-    StreamEnd,
-    interrupted_line,
-    interrupted_reply,
-    not_ready_reply,
+from serving.front import (
+    HOP_BY_HOP,
+    announced_session,
+    relay_stream,
+    streamed,
+    unframed,
 )
-from serving.relay import CallerGone, cancel_turn, pieces, write_chunk
+from serving.interrupted import WORKER_DIED_STATUS, interrupted_reply, not_ready_reply
+from serving.relay import CallerGone, cancel_turn
 
 INSTANCE_HEADER = "X-Local-Endpoint-Instance"
 ERROR_CODE_HEADER = "X-Local-Endpoint-Error-Code"
 FORWARDED = ("Content-Type", "Accept", "X-Amzn-SageMaker-Custom-Attributes", SESSION_HEADER)
 MAX_BODY_BYTES = MAX_REQUEST_BYTES  # SageMaker's cap, the one the client checks too
+INVOKE, STREAM, OPENAI = "invocations", "invocations-response-stream", "openai"
 _ROUTE = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
+_OPENAI = re.compile(r"/endpoints/([^/]+)/openai/(.*)")  # errors under it in OpenAI's shape
+OPENAI_ROUTE = "v1/chat/completions"  # the one route OpenAI's SDK calls under the prefix
+CLOSES = (CLOSE_SESSION, CLOSE)  # the body's request types that close a session
 _ADMIN = re.compile(r"/local-admin/instances/([^/]+)/replace")
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
@@ -86,6 +101,7 @@ class Rejected(Exception):
             message,
             fields,
         )
+        self.front: ErrorReply | None = None  # the container front's own answer, if it is one
 
 
 def validation_error(message: str, **fields) -> Rejected:
@@ -143,8 +159,10 @@ def model_error(status: int, body: bytes) -> Rejected:
 
 def front_error(error: ErrorReply) -> Rejected:
     """What the container's front would answer, as SageMaker passes it on (no headers: the
-    wait is in the body's ``retryAfterS``)."""
-    return model_error(error.status, json.dumps(error.payload).encode())
+    wait is in the body's ``retryAfterS``); the OpenAI path passes it on raw."""
+    rejected = model_error(error.status, json.dumps(error.payload).encode())
+    rejected.front = error
+    return rejected
 
 
 class BackendDown(Exception):
@@ -182,6 +200,7 @@ class _Handler(BaseHTTPRequestHandler):
     # client's delayed ACK (~40 ms) on every reply.
     disable_nagle_algorithm = True
     server: EndpointServer
+    openai = False  # whether the request is under the OpenAI path (its errors in OpenAI's shape)
 
     def log_message(self, format, *args):  # noqa: A002 (BaseHTTPRequestHandler's signature)
         pass
@@ -192,12 +211,14 @@ class _Handler(BaseHTTPRequestHandler):
         super().send_error(code, message and clip(message), explain)
 
     def do_GET(self):
+        self.openai = _OPENAI.fullmatch(urlsplit(self.path).path) is not None
         if urlsplit(self.path).path == "/ping":
             self._send(200, b"{}", {"Content-Type": "application/json"})
         else:
             self._reject(no_route(self.path))
 
     def do_POST(self):
+        self.openai = _OPENAI.fullmatch(urlsplit(self.path).path) is not None
         length = int(self.headers.get("Content-Length") or 0)
         if length > MAX_BODY_BYTES:
             self._drain(length)
@@ -208,16 +229,21 @@ class _Handler(BaseHTTPRequestHandler):
             if urlsplit(self.path).path.startswith("/local-admin/"):
                 self._admin()
                 return
-            route = _ROUTE.fullmatch(urlsplit(self.path).path)
-            if route is None:
-                raise no_route(self.path)
-            name = unquote(route[1])
+            name, api = self._api()
             if name != self.server.endpoint_name:
                 raise validation_error(f"Endpoint {echo(name)} of account local not found.")
-            streaming = route[2] == "invocations-response-stream"
-            self._invoke(body, self.headers.get(SESSION_HEADER), streaming)
+            self._invoke(body, self.headers.get(SESSION_HEADER), api)
         except Rejected as rejected:
             self._reject(rejected)
+
+    def _api(self) -> tuple[str, str]:
+        """The endpoint's name and the API called: ``INVOKE``, ``STREAM`` or ``OPENAI``."""
+        path = urlsplit(self.path).path
+        if route := _ROUTE.fullmatch(path):
+            return unquote(route[1]), route[2]
+        if (route := _OPENAI.fullmatch(path)) and route[2] == OPENAI_ROUTE:
+            return unquote(route[1]), OPENAI
+        raise no_route(self.path)
 
     def _admin(self) -> None:
         """The local endpoint's own route (no SageMaker API has it): replace an instance. It
@@ -238,16 +264,16 @@ class _Handler(BaseHTTPRequestHandler):
         while length > 0 and (chunk := self.rfile.read(min(length, 1 << 20))):
             length -= len(chunk)
 
-    def _invoke(self, body: bytes, session_id: str | None, streaming: bool) -> None:
+    def _invoke(self, body: bytes, session_id: str | None, api: str) -> None:
         if session_id is None or session_id == NEW_SESSION:
-            if streaming and session_id == NEW_SESSION:
+            if api == STREAM and session_id == NEW_SESSION:
                 raise validation_error(
                     "InvokeEndpointWithResponseStream cannot start a session: "
                     "open it with InvokeEndpoint and SessionId NEW_SESSION"
                 )
             backend, reply = self._forward_to_any(body)
             try:
-                self._answer(backend, reply, streaming, opening=session_id == NEW_SESSION)
+                self._answer(backend, reply, api, opening=session_id == NEW_SESSION)
             finally:
                 self.server.router.placed(backend)  # bound by now, if it opened a session
             return
@@ -265,19 +291,21 @@ class _Handler(BaseHTTPRequestHandler):
         except BackendDown:
             router.mark_dead(backend)
             # again, now as a lost id: the close answered, the ask told how many went with it
-            self._invoke(body, session_id, streaming)
+            self._invoke(body, session_id, api)
             return
-        self._answer(backend, reply, streaming, opening=False)
+        self._answer(backend, reply, api, opening=False)
 
     def _answer(
-        self, backend: Backend, reply: http.client.HTTPResponse, streaming: bool, opening: bool
+        self, backend: Backend, reply: http.client.HTTPResponse, api: str, opening: bool
     ) -> None:
         with reply:
             if reply.status == WORKER_DIED_STATUS and backend.coming_back():
                 raise front_error(interrupted_reply("TorchServe: worker died"))
-            if reply.status != 200:
+            if api == OPENAI:
+                self._pass(backend, reply, opening)
+            elif reply.status != 200:
                 raise model_error(reply.status, reply.read())
-            if streaming:
+            elif api == STREAM:
                 self._stream(backend, reply)
             else:
                 self._relay(backend, reply, opening)
@@ -322,19 +350,25 @@ class _Handler(BaseHTTPRequestHandler):
             conn.close()
             raise BackendDown(str(err)) from err
 
-    def _relay(self, backend: Backend, reply: http.client.HTTPResponse, opening: bool) -> None:
-        headers = {
-            "Content-Type": reply.getheader("Content-Type", "application/octet-stream"),
-            INSTANCE_HEADER: backend.name,
-        }
-        # Reference containers announce the new id in the session header, some in the new one.
+    def _follow(self, backend: Backend, reply: http.client.HTTPResponse, opening: bool) -> dict:
+        """Bind the id an open's reply announces to its instance, unbind a closed one; the
+        session headers SageMaker passes back."""
+        headers = {}
         announced = reply.getheader(NEW_SESSION_HEADER) or reply.getheader(SESSION_HEADER)
         if opening and announced:
-            self.server.router.bind(announced.split(";", 1)[0].strip(), backend)
+            self.server.router.bind(announced_session(reply), backend)
             headers[NEW_SESSION_HEADER] = announced
         if closed := reply.getheader(CLOSED_SESSION_HEADER):
             self.server.router.unbind(closed.strip())
             headers[CLOSED_SESSION_HEADER] = closed
+        return headers
+
+    def _relay(self, backend: Backend, reply: http.client.HTTPResponse, opening: bool) -> None:
+        headers = {
+            "Content-Type": reply.getheader("Content-Type", "application/octet-stream"),
+            INSTANCE_HEADER: backend.name,
+            **self._follow(backend, reply, opening),
+        }
         self._send(200, reply.read(), headers)
 
     def _stream(self, backend: Backend, reply: http.client.HTTPResponse) -> None:
@@ -345,28 +379,66 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
         self.end_headers()
-        end = StreamEnd()
+
+        def parts(piece: bytes) -> list[bytes]:
+            return [eventstream.payload_part(p) for p in _split(piece, self.server.part_bytes)]
+
+        self._relay_stream(backend, reply, parts)
+
+    def _pass(self, backend: Backend, reply: http.client.HTTPResponse, opening: bool) -> None:
+        """The OpenAI path: the container's reply as it is, status and headers included."""
+        if reply.status == 200:
+            self._follow(backend, reply, opening)
+        self.send_response_only(reply.status, reply.reason or None)
+        for name, value in reply.getheaders():
+            if name.lower() not in HOP_BY_HOP:
+                self.send_header(name, value)
+        self.send_header(INSTANCE_HEADER, backend.name)
+        self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
+        if not streamed(reply):
+            data = reply.read()
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self._relay_stream(backend, reply)
+
+    def _relay_stream(
+        self, backend: Backend, reply: http.client.HTTPResponse, frame=unframed
+    ) -> None:
+        """Chunk by chunk as they come; a caller that hangs up gets its turn cancelled."""
         try:
-            for chunk in pieces(reply):  # a broken upstream is told below, in the stream's terms
-                end.feed(chunk)
-                for part in _split(chunk, self.server.part_bytes):
-                    write_chunk(self.wfile, eventstream.payload_part(part))
-            if not end.finished:  # what the container's front adds to a stream cut short
-                line = interrupted_line(f"instance {backend.name} broke the stream")
-                write_chunk(self.wfile, eventstream.payload_part(line))
-            write_chunk(self.wfile, b"")
+            relay_stream(reply, self.wfile, f"instance {backend.name} broke the stream", frame)
         except CallerGone:
-            target, session_id = urlsplit(backend.url), self.headers.get(SESSION_HEADER)
+            target = urlsplit(backend.url)
+            session_id = announced_session(reply) or self.headers.get(SESSION_HEADER)
             timeout_s = self.server.timeout_s
             cancel_turn(target.hostname, target.port, session_id, timeout_s, backend.auth())
             self.close_connection = True
 
     def _reject(self, rejected: Rejected) -> None:
+        if self.openai:
+            self._reject_openai(rejected)
+            return
         body = {"message": rejected.message, **rejected.fields}
         headers = {"Content-Type": "application/json", "x-amzn-ErrorType": rejected.error_type}
         if "ErrorCode" in rejected.fields:
             headers[ERROR_CODE_HEADER] = rejected.fields["ErrorCode"]
         self._send(rejected.status, json.dumps(body).encode(), headers)
+
+    def _reject_openai(self, rejected: Rejected) -> None:
+        """In OpenAI's shape, with an invocation's status and code; the front's answer as is."""
+        error = rejected.front
+        if error is None:
+            code = rejected.fields.get("ErrorCode", rejected.error_type)
+            headers = {ERROR_CODE_HEADER: code} if "ErrorCode" in rejected.fields else {}
+            payload = {"error": {"code": code, "message": rejected.message}}
+            error = ErrorReply(rejected.status, payload, headers)
+        error = openai_error(error)
+        headers = {"Content-Type": "application/json", **error.headers}
+        self._send(error.status, json.dumps(error.payload).encode(), headers)
 
     def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.send_response(status)
@@ -390,7 +462,7 @@ def _check_session_id(session_id: str) -> None:
 
 def _is_close(body: bytes) -> bool:
     try:
-        return json.loads(body).get("requestType") == CLOSE_SESSION
+        return json.loads(body).get("requestType") in CLOSES
     except (ValueError, AttributeError):
         return False
 

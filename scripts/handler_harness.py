@@ -30,6 +30,7 @@ class Reply:
     status: int
     headers: dict[str, str]
     text: str
+    head: dict[str, str] | None = None  # the headers the first streamed frame carried
 
     def json(self):
         return json.loads(self.text)
@@ -62,10 +63,12 @@ class InProcessWorker:
         """``body`` as TorchServe hands it over: parsed JSON (a JSON content type) or bytes."""
         context = self.request_context(headers)
         self.sent.bodies.clear()
+        self.sent.heads.clear()
         final = self.service.serve(0, body, context)
         status, _phrase = context.get_response_status(0)
         text = b"".join(self.sent.bodies).decode() + final  # chunks (a 200's body), then final
-        return Reply(status, context.get_response_headers(0), text)
+        head = self.sent.heads[0] if self.sent.heads else None
+        return Reply(status, context.get_response_headers(0), text, head)
 
     def stop(self) -> None:
         self.service.reaper.stop()
@@ -76,14 +79,18 @@ class _SentFrames:
 
     def __init__(self):
         self.bodies: list[bytes] = []
+        self.heads: list[dict[str, str]] = []
 
     def sendall(self, frame: bytes) -> None:
-        self.bodies.append(_frame_body(bytes(frame)))
+        head, body = _frame(bytes(frame))
+        self.heads.append(head)
+        self.bodies.append(body)
 
 
-def _frame_body(frame: bytes) -> bytes:
-    """The body of a one-request frame (ts.protocol.otf_message_handler.create_predict_response):
-    code, message, then request id, content type, status, phrase, headers, body."""
+def _frame(frame: bytes) -> tuple[dict[str, str], bytes]:
+    """The headers and body of a one-request frame
+    (ts.protocol.otf_message_handler.create_predict_response): code, message, then request id,
+    content type, status, phrase, headers, body."""
     at = 4  # the batch's code
 
     def sized() -> bytes:
@@ -95,8 +102,10 @@ def _frame_body(frame: bytes) -> bytes:
     sized(), sized(), sized()  # message, request id, content type
     at += 4  # status
     sized()  # phrase
-    (headers,) = struct.unpack_from("!i", frame, at)
+    (count,) = struct.unpack_from("!i", frame, at)
     at += 4
-    for _ in range(2 * headers):
-        sized()
-    return sized()
+    headers = {}
+    for _ in range(count):
+        name = sized().decode()
+        headers[name] = sized().decode()
+    return headers, sized()

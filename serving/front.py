@@ -9,10 +9,13 @@ public port:
 - ``POST /invocations`` is forwarded to TorchServe's inference API with TorchServe's key
   (``upstream_auth``), but only while ``ready()``: otherwise a 503 ``NOT_READY`` JSON error at
   once (a request reaching a reloading async worker would crash-loop it: serving/supervisor.py).
-  A streamed reply (JSON lines) is relayed chunk by chunk as it arrives, so ``"stream": true``
-  still streams through the front; any other reply is read whole and sent with a
-  ``Content-Length`` (the async worker sends every 200 as a chunked body: handlers/service.py,
-  ``_Reply.finish``).
+  A streamed reply (JSON lines, or server-sent events) is relayed chunk by chunk as it arrives,
+  so ``"stream": true`` still streams through the front; any other reply is read whole and sent
+  with a ``Content-Length`` (the async worker sends every 200 as a chunked body:
+  handlers/service.py, ``_Reply.finish``).
+- ``POST /v1/chat/completions`` (OpenAI's chat completions) is forwarded exactly so, to the same
+  ``/invocations``: the worker tells a chat body by its ``messages``. The front's own errors on
+  it are in OpenAI's shape (``openai_error``).
 - nothing else is forwarded (``ROUTES``): another path is a 404, another method a 405.
 - a body over SageMaker's 6 MB cap is a 413 before the rest is read; a client that leaves a
   read waiting ``CLIENT_TIMEOUT_S`` is disconnected; at most ``max_connections`` are served at
@@ -21,7 +24,8 @@ public port:
   ``{"requestType": "CANCEL_TURN"}`` for the session and its turn stops at the next step.
 - the worker dying under a request (TorchServe's 507, a dropped connection, a stream cut
   short): a 503 ``TURN_INTERRUPTED`` with ``Retry-After``, or a last ``{"error": ...}`` line
-  in the stream (serving/interrupted.py); the session continues after the restart.
+  in the stream (serving/interrupted.py; in a chat stream, that event and ``data: [DONE]``);
+  the session continues after the restart.
 
 Threads, not asyncio: a thread per connection, bounded, is plenty for one worker's requests,
 and the stdlib keeps the container free of another web framework.
@@ -36,14 +40,16 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import BinaryIO
 from urllib.parse import urlsplit
 
-from handlers.errors import ErrorReply, retry_reply
+from handlers.errors import ErrorReply, openai_error, retry_reply
 from llava.errors import clip
 from llava_wire import (
     INVALID_REQUEST,
     MAX_REQUEST_BYTES,
     METHOD_NOT_ALLOWED,
+    NEW_SESSION_HEADER,
     NOT_FOUND,
     NOT_READY,
     OVERLOADED,
@@ -74,11 +80,17 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-STREAM_TYPE = "application/jsonlines"
 CANCEL_TIMEOUT_S = 10.0
+CHAT_ROUTE = "/v1/chat/completions"  # OpenAI's; errors on it in OpenAI's shape
 # What the public port answers; anything else is refused here and never reaches TorchServe.
-# The OpenAI-compatible route goes here too when it comes: "/v1/chat/completions": {"POST"}.
-ROUTES = {"/ping": frozenset({"GET", "HEAD"}), "/invocations": frozenset({"POST"})}
+ROUTES = {
+    "/ping": frozenset({"GET", "HEAD"}),
+    "/invocations": frozenset({"POST"}),
+    CHAT_ROUTE: frozenset({"POST"}),
+}
+# TorchServe has no chat route: a chat body goes to /invocations, the worker reads its messages.
+UPSTREAM_PATHS = {CHAT_ROUTE: "/invocations"}
+DONE_EVENT = b"data: [DONE]"  # the last event of every chat stream, an error's too
 # SageMaker's cap on an InvokeEndpoint body (docs/deploy.md §SageMaker's request cap (6 MB)).
 MAX_BODY_BYTES = MAX_REQUEST_BYTES
 CLIENT_TIMEOUT_S = 60.0  # the longest a client may leave a read (a request, its body) waiting
@@ -188,7 +200,9 @@ class _FrontHandler(BaseHTTPRequestHandler):
         """The path, if the front serves this method there and the declared body fits."""
         path = urlsplit(self.path).path
         if path not in ROUTES:
-            raise Refused(404, NOT_FOUND, f"no route {clip(path)!r}: POST /invocations")
+            raise Refused(
+                404, NOT_FOUND, f"no route {clip(path)!r}: POST /invocations or {CHAT_ROUTE}"
+            )
         if self.command not in ROUTES[path]:
             allowed = ", ".join(sorted(ROUTES[path]))
             raise Refused(405, METHOD_NOT_ALLOWED, f"{path} takes {allowed}", {"Allow": allowed})
@@ -199,7 +213,9 @@ class _FrontHandler(BaseHTTPRequestHandler):
         """Reply, then read and drop what the client still sends, for a moment, before the
         connection closes: closing on unread bytes resets it, and the client may lose the reply."""
         reply = refused.reply
-        self._reply_json(reply.status, reply.payload, {**reply.headers, "Connection": "close"})
+        self._reply_error(
+            ErrorReply(reply.status, reply.payload, {**reply.headers, "Connection": "close"})
+        )
         try:
             self.connection.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + LINGER_S
@@ -224,12 +240,14 @@ class _FrontHandler(BaseHTTPRequestHandler):
             if k.lower() not in HOP_BY_HOP and k.lower() != "authorization"  # ours replaces it
         }
         headers.update(self.server.upstream_auth())
+        url = urlsplit(self.path)
+        target = url._replace(path=UPSTREAM_PATHS.get(url.path, url.path)).geturl()
         upstream = http.client.HTTPConnection(
             *self.server.upstream, timeout=self.server.upstream_timeout_s
         )
         try:
             try:
-                upstream.request(self.command, self.path, body=body, headers=headers)
+                upstream.request(self.command, target, body=body, headers=headers)
             except OSError as e:  # TorchServe not (yet, or no longer) listening
                 self._reply_error(not_ready_reply(f"model server unavailable: {e}"))
                 return
@@ -250,19 +268,14 @@ class _FrontHandler(BaseHTTPRequestHandler):
         for name, value in reply.getheaders():
             if name.lower() not in HOP_BY_HOP:
                 self.send_header(name, value)
-        if reply.getheader("Content-Type", "").startswith(STREAM_TYPE):
+        if streamed(reply):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            end = StreamEnd()
             try:
-                for piece in pieces(reply):
-                    end.feed(piece)
-                    write_chunk(self.wfile, piece)
-                if not end.finished:  # the worker died mid-stream: say so in the stream
-                    write_chunk(self.wfile, interrupted_line("the stream was cut short"))
-                write_chunk(self.wfile, b"")
+                relay_stream(reply, self.wfile, "the stream was cut short")
             except CallerGone:
-                session_id = self.headers.get(SESSION_HEADER)
+                # an open's turn is cancelled under the id its reply announced
+                session_id = announced_session(reply) or self.headers.get(SESSION_HEADER)
                 auth = self.server.upstream_auth()
                 cancel_turn(*self.server.upstream, session_id, CANCEL_TIMEOUT_S, auth)
                 self.close_connection = True
@@ -321,6 +334,8 @@ class _FrontHandler(BaseHTTPRequestHandler):
         return size
 
     def _reply_error(self, error: ErrorReply) -> None:
+        if urlsplit(self.path).path == CHAT_ROUTE:
+            error = openai_error(error)
         self._reply_json(error.status, error.payload, error.headers)
 
     def _reply_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
@@ -342,6 +357,73 @@ class _FrontHandler(BaseHTTPRequestHandler):
 # names it); one it has no name for still gets its 501.
 for _method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"):
     setattr(_FrontHandler, f"do_{_method}", _FrontHandler._route)
+
+
+class EventStreamEnd:
+    """Follows a server-sent-events reply as it is relayed, keeping only its tail, to tell a
+    chat stream that ended (``data: [DONE]``) from one cut short."""
+
+    def __init__(self):
+        self._tail = b""
+
+    def feed(self, piece: bytes) -> None:
+        self._tail = (self._tail + piece)[-2 * len(DONE_EVENT) :]
+
+    @property
+    def finished(self) -> bool:
+        return self._tail.rstrip().endswith(DONE_EVENT)
+
+
+def interrupted_event(what: str) -> bytes:
+    """The last events of a chat stream its worker broke: the error, then ``[DONE]``."""
+    error = openai_error(interrupted_reply(what)).payload
+    return b"data: %s\n\n%s\n\n" % (json.dumps(error).encode(), DONE_EVENT)
+
+
+# The replies relayed chunk by chunk as they arrive, by content type: what follows a stream to
+# tell a finished one from one cut short, and the last words a cut one gets.
+STREAMED = {
+    "application/jsonlines": (StreamEnd, interrupted_line),
+    "text/event-stream": (EventStreamEnd, interrupted_event),
+}
+
+
+def streamed(reply: http.client.HTTPResponse) -> tuple | None:
+    """``STREAMED``'s entry for the reply's content type; None: a reply to send whole."""
+    kind = (reply.getheader("Content-Type") or "").split(";")[0].strip().lower()
+    return STREAMED.get(kind)
+
+
+def unframed(piece: bytes) -> list[bytes]:
+    return [piece]
+
+
+def relay_stream(
+    reply: http.client.HTTPResponse,
+    wfile: BinaryIO,
+    cut_short: str,
+    frame: Callable[[bytes], list[bytes]] = unframed,
+) -> None:
+    """A streamed reply passed on as it arrives, each piece as the chunks ``frame`` makes of it
+    (the local endpoint's event-stream parts); one cut short ends with its last words (a
+    JSON-lines reply's if its type is none of ``STREAMED``'s). Raises ``CallerGone``."""
+    end_type, last_words = streamed(reply) or STREAMED["application/jsonlines"]
+    end = end_type()
+    for piece in pieces(reply):
+        end.feed(piece)
+        for chunk in frame(piece):
+            write_chunk(wfile, chunk)
+    if not end.finished:  # the worker died mid-stream: say so in the stream
+        for chunk in frame(last_words(cut_short)):
+            write_chunk(wfile, chunk)
+    write_chunk(wfile, b"")
+
+
+def announced_session(reply: http.client.HTTPResponse) -> str | None:
+    """The id a reply names in its session headers (an open's ``<id>; Expires=...``), if any;
+    reference containers announce a new one in the session header, some in the new one."""
+    value = reply.getheader(NEW_SESSION_HEADER) or reply.getheader(SESSION_HEADER)
+    return value.split(";", 1)[0].strip() if value else None
 
 
 def _too_large(what: str) -> Refused:

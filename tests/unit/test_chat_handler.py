@@ -196,3 +196,15 @@ def test_stop_text_holds_back_only_what_may_begin_a_stop():
     assert stop.stopped and stop.text == "abcENxy"
     free = StopText(("END",))
     assert free.push("aE") == "a" and free.flush() == "E" and free.text == "aE"
+
+
+def test_a_streamed_open_announces_its_id_in_the_streams_head(worker, data_url):
+    reply = chat(worker, [user("What is this?", data_url)], {SESSION: "NEW_SESSION"}, stream=True)
+    assert reply.status == 200, reply.text
+    # headers set after the first chunk are lost in TorchServe: the id is chosen first
+    head = reply.head
+    session_id = head[SESSION].partition(";")[0]
+    assert head[NEW_SESSION_ID] == head[SESSION]
+    assert (
+        worker.invoke({"requestType": "CLOSE"}, {SESSION: session_id}).json()["alreadyGone"] is None
+    )
