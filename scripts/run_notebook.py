@@ -113,6 +113,8 @@ def problems(result: dict) -> list[str]:
         found.append(f"the image did not go by its loopback URL: {result['image_url']!r}")
     if result["answers"] != result["expected"]:
         found.append(f"answers {result['answers']} != expected {result['expected']}")
+    if result.get("openai_answers") != result["expected"]:
+        found.append(f"OpenAI SDK answers {result.get('openai_answers')} != {result['expected']}")
     ttft = result["ttft_ms"]
     for kind in ("stateful", "stateless"):
         if len(ttft[kind]) != len(result["expected"]) or not all(ms > 0 for ms in ttft[kind]):
