@@ -86,7 +86,9 @@ demo: demo-mar
 # then shared prefixes (an open on a held image against a cold one, bytes of 32 sessions on
 # one image against 32 images, turn time with sharing on and off), a second image in a
 # session's turn against a new session for it and against stateless, and the next answer of
-# a session whose instance went: resumed from the durable store against replay and a fresh open.
+# a session whose instance went: resumed from the durable store against replay and a fresh open,
+# and turn 10's first token for an OpenAI client resending its conversation, with and without a
+# session.
 bench: demo-mar
 	$(PY) -m scripts.bench.turns
 	$(PY) -m scripts.bench.turns --config realistic-next
@@ -102,6 +104,7 @@ bench: demo-mar
 	$(PY) -m scripts.bench.prefix
 	$(PY) -m scripts.bench.images
 	$(PY) -m scripts.bench.resume
+	$(PY) -m scripts.bench.openai_resend
 
 # On a CUDA machine: preflight, the attention candidates, the engine's table on a
 # random-weight model of llava-1.5-7b's shape, the CUDA tests and two shards, each step
