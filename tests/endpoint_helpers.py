@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from local_endpoint.launcher import LocalEndpoint
 from serving.mar import build_mar
 from serving.torchserve import free_ports
@@ -38,6 +40,30 @@ def start_endpoint(run_dir: Path, instances: int, part_bytes: int = 0) -> LocalE
     )
     endpoint.start(timeout=180)
     return endpoint
+
+
+def endpoint_fixture(label: str, instances: int, **options):
+    """A test module's endpoint: started for its first test, stopped after its last."""
+
+    @pytest.fixture(scope="module")
+    def endpoint(tmp_path_factory):
+        started = start_endpoint(tmp_path_factory.mktemp(label), instances, **options)
+        yield started
+        started.stop()
+
+    return endpoint
+
+
+def images_fixture(count: int):
+    """A test module's ``ShapeImages`` on a loopback server, closed after its last test."""
+
+    @pytest.fixture(scope="module")
+    def images(demo_model):
+        served = ShapeImages(demo_model, count)
+        yield served
+        served.close()
+
+    return images
 
 
 class ShapeImages:

@@ -51,12 +51,9 @@ import torch
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
-from llava.model.loading import load_model
 from llava.sched.conversation import ChatImage, ChatTurn, Conversation
-from scripts.bench.images import bounded
 from scripts.bench.prefix import noise_images
-from scripts.bench.resume import SHAPES, count_vision, question
-from scripts.bench.turns import ensure_model
+from scripts.bench.resume import conversation_args, count_vision, question, shape_loaded
 
 WAYS = ("stateless, no reuse", "resent, opening", "resent, all", "resent, session", "ask, session")
 SHARING = {  # each way's engine's prefix_sharing
@@ -251,21 +248,12 @@ def table(rows: list[Row]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llava-1.5")
-    parser.add_argument("--rounds", type=bounded("rounds", LIMITS), default=3)
-    parser.add_argument("--turns", type=bounded("turns", LIMITS), default=10)
-    parser.add_argument("--new-tokens", type=bounded("new_tokens", LIMITS), default=32)
-    return parser.parse_args(argv)
+    return conversation_args(argv, __doc__.splitlines()[0], LIMITS, new_tokens=32)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Row]:
     args = parse_args(argv)
-    torch.manual_seed(0)
-    shape = SHAPES[args.shape]
-    if shape.build is not None:
-        ensure_model(shape.model_dir, shape.build)
-    loaded = load_model(str(shape.model_dir))
+    shape, loaded = shape_loaded(args.shape)
     # greedy (no sampling parameter sent), every answer exactly --new-tokens long
     params = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens}
     engines = {}

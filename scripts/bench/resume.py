@@ -46,7 +46,7 @@ import torch
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.kv.budget import MemoryBudget
-from llava.model.loading import load_model
+from llava.model.loading import LoadedModel, load_model
 from llava.sessions.durable import record_name
 from scripts.bench.images import bounded
 from scripts.bench.prefix import noise_images
@@ -295,22 +295,35 @@ def verdict(rows: dict[str, Row]) -> str:
     )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def conversation_args(
+    argv: list[str] | None, description: str, limits: dict, new_tokens: int
+) -> argparse.Namespace:
+    """The options of a bench over conversations of ``--turns`` on one image: the shape, the
+    rounds, the turns and each answer's new tokens, within ``limits``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llava-1.5")
-    parser.add_argument("--rounds", type=bounded("rounds", LIMITS), default=3)
-    parser.add_argument("--turns", type=bounded("turns", LIMITS), default=10)
-    parser.add_argument("--new-tokens", type=bounded("new_tokens", LIMITS), default=64)
+    parser.add_argument("--rounds", type=bounded("rounds", limits), default=3)
+    parser.add_argument("--turns", type=bounded("turns", limits), default=10)
+    parser.add_argument("--new-tokens", type=bounded("new_tokens", limits), default=new_tokens)
     return parser.parse_args(argv)
+
+
+def shape_loaded(name: str) -> tuple[BenchShape, LoadedModel]:
+    """The shape's model, built first if missing, loaded once (seeded: the same every run)."""
+    torch.manual_seed(0)
+    shape = SHAPES[name]
+    if shape.build is not None:
+        ensure_model(shape.model_dir, shape.build)
+    return shape, load_model(str(shape.model_dir))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return conversation_args(argv, __doc__.splitlines()[0], LIMITS, new_tokens=64)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Row]:
     args = parse_args(argv)
-    torch.manual_seed(0)
-    shape = SHAPES[args.shape]
-    if shape.build is not None:
-        ensure_model(shape.model_dir, shape.build)
-    loaded = load_model(str(shape.model_dir))
+    shape, loaded = shape_loaded(args.shape)
     params = {"max_new_tokens": args.new_tokens}  # greedy: no sampling parameter sent
     root = Path(tempfile.mkdtemp(prefix="bench-resume-"))
     seen: dict[str, list[Seen]] = {way: [] for way in WAYS}

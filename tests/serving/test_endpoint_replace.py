@@ -25,7 +25,7 @@ from botocore.exceptions import ClientError
 from llava_client import LlavaClient
 from local_endpoint.launcher import S3_LOCAL_STATE
 from tests.conftest import REPO
-from tests.endpoint_helpers import ENDPOINT, ShapeImages, start_endpoint_on_disk
+from tests.endpoint_helpers import ENDPOINT, images_fixture, start_endpoint_on_disk
 
 pytestmark = pytest.mark.torchserve
 INSTANCE = "x-local-endpoint-instance"
@@ -45,11 +45,7 @@ REPLACE_TIMEOUT_S = 240.0  # a graceful stop (≤ 30 s) and a fresh instance's s
 FLUSHED_ALL = "SIGTERM: durable store flushed, 0 sessions left unwritten"
 
 
-@pytest.fixture(scope="module")
-def images(demo_model):
-    images = ShapeImages(demo_model, 2)
-    yield images
-    images.close()
+images = images_fixture(2)
 
 
 @pytest.fixture(scope="module")

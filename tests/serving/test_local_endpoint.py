@@ -23,24 +23,16 @@ from botocore.exceptions import ClientError
 from llava_client import LlavaClient, LlavaError, SessionGone
 from serving.torchserve import TorchServeInstance
 from tests.conftest import REPO
-from tests.endpoint_helpers import ENDPOINT, ShapeImages, start_endpoint
+from tests.endpoint_helpers import ENDPOINT, endpoint_fixture, images_fixture
 
 pytestmark = pytest.mark.torchserve
 INSTANCE = "x-local-endpoint-instance"
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory):
-    endpoint = start_endpoint(tmp_path_factory.mktemp("endpoint"), instances=2, part_bytes=7)
-    yield endpoint
-    endpoint.stop()
+endpoint = endpoint_fixture("endpoint", instances=2, part_bytes=7)
 
 
-@pytest.fixture(scope="module")
-def images(demo_model):
-    images = ShapeImages(demo_model, 3)
-    yield images
-    images.close()
+images = images_fixture(3)
 
 
 @pytest.fixture(scope="module")

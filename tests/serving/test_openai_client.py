@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from llava_wire import CLOSE, CLOSE_SESSION
-from tests.endpoint_helpers import ENDPOINT, ShapeImages, start_endpoint
+from tests.endpoint_helpers import ENDPOINT, endpoint_fixture, images_fixture
 from tests.intake_servers import image_bytes
 
 pytestmark = pytest.mark.torchserve
@@ -42,18 +42,10 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory):
-    endpoint = start_endpoint(tmp_path_factory.mktemp("openai-endpoint"), instances=2)
-    yield endpoint
-    endpoint.stop()
+endpoint = endpoint_fixture("openai-endpoint", instances=2)
 
 
-@pytest.fixture(scope="module")
-def images(demo_model):
-    images = ShapeImages(demo_model, 2)
-    yield images
-    images.close()
+images = images_fixture(2)
 
 
 @pytest.fixture(scope="module")

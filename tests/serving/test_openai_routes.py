@@ -15,7 +15,7 @@ import requests
 
 from serving.front import Front
 from tests import loopback
-from tests.endpoint_helpers import ENDPOINT, ShapeImages, start_endpoint
+from tests.endpoint_helpers import ENDPOINT, endpoint_fixture, images_fixture
 
 pytestmark = pytest.mark.torchserve
 WAIT_S = 120
@@ -24,18 +24,10 @@ NEW_SESSION = "X-Amzn-SageMaker-New-Session-Id"
 INSTANCE = "X-Local-Endpoint-Instance"
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory):
-    endpoint = start_endpoint(tmp_path_factory.mktemp("openai-endpoint"), instances=2)
-    yield endpoint
-    endpoint.stop()
+endpoint = endpoint_fixture("openai-endpoint", instances=2)
 
 
-@pytest.fixture(scope="module")
-def images(demo_model):
-    images = ShapeImages(demo_model, 2)
-    yield images
-    images.close()
+images = images_fixture(2)
 
 
 @pytest.fixture(scope="module")

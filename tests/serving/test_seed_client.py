@@ -12,29 +12,16 @@ import uuid
 import pytest
 
 from llava_client import LlavaClient, LlavaError
-from tests.endpoint_helpers import (
-    DUMMY_CREDENTIALS,
-    ENDPOINT,
-    ShapeImages,
-    start_endpoint,
-)
+from tests.endpoint_helpers import DUMMY_CREDENTIALS, ENDPOINT, endpoint_fixture, images_fixture
 from tests.seed_client import LlavaChatSession
 
 pytestmark = pytest.mark.torchserve
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory):
-    endpoint = start_endpoint(tmp_path_factory.mktemp("seed-endpoint"), instances=1)
-    yield endpoint
-    endpoint.stop()
+endpoint = endpoint_fixture("seed-endpoint", instances=1)
 
 
-@pytest.fixture(scope="module")
-def images(demo_model):
-    images = ShapeImages(demo_model, 1)
-    yield images
-    images.close()
+images = images_fixture(1)
 
 
 @pytest.mark.parametrize("pointed_by", ["endpoint_url", "AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME"])

@@ -34,6 +34,22 @@ def number(cell: str) -> float:
     return float(cell.replace(",", "").rstrip("x"))
 
 
+def run_printed(main, argv: list[str]) -> tuple[str, object]:
+    """What a bench's ``main(argv)`` prints, and what it returns."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        returned = main(argv)
+    return out.getvalue(), returned
+
+
+def table_rows(printed: str, columns: list[str]) -> list[dict[str, str]]:
+    """The printed table's rows by column, its header checked."""
+    lines = [line for line in printed.splitlines() if line.startswith("|")]
+    assert cells(lines[0]) == columns
+    assert set(lines[1]) <= set("|-:")
+    return [dict(zip(columns, cells(line), strict=True)) for line in lines[2:]]
+
+
 @pytest.fixture(scope="module")
 def printed() -> str:
     """What the bench prints, run once for every test here."""

@@ -5,14 +5,12 @@ is asserted beyond the table holding together."""
 
 from __future__ import annotations
 
-import io
 import re
-from contextlib import redirect_stdout
 
 import pytest
 
 from scripts.bench import resume as bench
-from tests.unit.test_bench_images import cells, number
+from tests.unit.test_bench_images import number, run_printed, table_rows
 
 SMALLEST = ["--shape", "demo", "--rounds", "1", "--turns", "2", "--new-tokens", "2"]
 COLUMNS = [
@@ -32,18 +30,12 @@ COLUMNS = [
 @pytest.fixture(scope="module")
 def run() -> tuple[str, dict]:
     """What the bench prints and returns, run once for every test here."""
-    out = io.StringIO()
-    with redirect_stdout(out):
-        returned = bench.main(SMALLEST)
-    return out.getvalue(), returned
+    return run_printed(bench.main, SMALLEST)
 
 
 @pytest.fixture(scope="module")
 def rows(run) -> dict[str, dict[str, str]]:
-    lines = [line for line in run[0].splitlines() if line.startswith("|")]
-    assert cells(lines[0]) == COLUMNS
-    assert set(lines[1]) <= set("|-:")
-    body = [dict(zip(COLUMNS, cells(line), strict=True)) for line in lines[2:]]
+    body = table_rows(run[0], COLUMNS)
     assert [row["way"] for row in body] == list(bench.WAYS)
     return {row["way"]: row for row in body}
 
