@@ -171,7 +171,7 @@ class SessionStore:
             session.last_used = self._clock() - idle_s
             self._sessions[session.session_id] = session
             self.memory.adopt(session.holding, session.session_id)
-            self._count(opened=1)
+            self._count(opened=0 if session.transient else 1)  # a stateless answer's: no
 
     def restore(self, session: Session, idle_s: float) -> None:
         """Register a session adopted from the persistent tier, idle for ``idle_s`` already
@@ -303,7 +303,7 @@ class SessionStore:
             if self._sessions.get(session_id) is not session:
                 return self._why_gone(session_id)
             self._remove(session_id, CLOSED)
-            self._count(closed=1)
+            self._count(closed=0 if session.transient else 1)
             return None
 
     def reap(self) -> int:

@@ -64,13 +64,14 @@ def control(engine, images):
 
 
 def test_stateless_answers_equal_the_turn_by_turn_ones(engine, images, control):
-    sessions = engine.stats().sessions
+    sessions, opened = engine.stats().sessions, engine.stats().store.opened
     texts = []
     for expected in control:
         answer = engine.chat(conversation(images, texts), parameters=GREEDY)
         assert answer.token_ids == expected.token_ids
         texts.append(answer.text)
     assert engine.stats().sessions == sessions  # each stateless answer's session went
+    assert engine.stats().store.opened == opened  # and no session was opened, to the metrics
     engine.check_integrity()
 
 
