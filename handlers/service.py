@@ -237,18 +237,11 @@ class LlavaService:
         )
         conversation = Conversation(named, body.system)
         sources = [image.source for turn in body.turns for image in turn.images]
-        fetch = set(self.engine.images_to_fetch(conversation, session_id))
-        turns, index = [], 0
-        for turn in conversation.turns:
-            images = []
-            for image in turn.images:
-                loaded = None
-                if index in fetch:
-                    loaded = self.images.load(sources[index], fit=self.engine.image_side)
-                images.append(ChatImage(image.ref, loaded))
-                index += 1
-            turns.append(ChatTurn(turn.question, tuple(images), turn.answer))
-        return Conversation(tuple(turns), body.system)
+        loaded = {
+            index: self.images.load(sources[index], fit=self.engine.image_side)
+            for index in self.engine.images_to_fetch(conversation, session_id)
+        }
+        return conversation.with_images(loaded)
 
 
 class _Reply:

@@ -52,7 +52,7 @@ from llava.model.weights_digest import weights_digest
 from llava.sampling.logits_mask import banned_token_ids
 from llava.sampling.params import GenerationParams
 from llava.sampling.sampler import Sampler
-from llava.sched.conversation import ChatImage, ChatTurn, Conversation, held_refs, images_kept
+from llava.sched.conversation import ChatTurn, Conversation, held_refs, images_kept
 from llava.sched.loop import EngineLoop
 from llava.sched.scheduler import Scheduler
 from llava.sched.work import (
@@ -310,6 +310,16 @@ class Engine:
         """The image's content key: equal keys mean equal features (llava.model.imageprep)."""
         return content_key(image, self._features_salt)
 
+    def keyed_conversation(self, conversation: Conversation, tenant: str | None) -> Conversation:
+        """The conversation with each loaded image keyed for ``tenant`` (``keyed_image``)."""
+        return conversation.with_images(
+            {
+                index: self.keyed_image(image.image, tenant)
+                for index, image in enumerate(conversation.images)
+                if image.image is not None and not isinstance(image.image, KeyedImage)
+            }
+        )
+
     def keyed_image(self, image: Image.Image, tenant: str | None) -> KeyedImage:
         """The image with the key ``tenant``'s sessions share its features and prefix under
         (None: ``prefix_sharing`` is off): hashed once, where the open enters."""
@@ -401,17 +411,19 @@ class Engine:
         system = self._check_system(conversation.system)
         if session_id is not None and not new_session:
             kept = self._images_held(conversation, session_id)
+            added = self._images_past(session_id, conversation, kept)
             return self._chat_turn(
-                session_id, conversation, system, params, on_token, cancelled, kept
+                session_id, conversation, system, params, on_token, cancelled, kept, added
             )
         _check_tenant(tenant)
-        conversation = self._keyed(conversation, tenant)
+        conversation = self.keyed_conversation(conversation, tenant)
+        added = [self._added_keyed(image.image) for image in conversation.images]
         session_id = self._blank(
-            session_id, conversation, system, tenant, transient=not new_session
+            session_id, conversation, system, tenant, added, transient=not new_session
         )
         try:
             answer = self._chat_turn(
-                session_id, conversation, system, params, on_token, cancelled, 0
+                session_id, conversation, system, params, on_token, cancelled, 0, added
             )
         except BaseException:
             self.store.close(session_id)  # an open that answered nothing leaves nothing
@@ -609,44 +621,27 @@ class Engine:
             turns.append(ChatTurn(question, turn.images, turn.answer))
         return Conversation(tuple(turns), conversation.system)
 
-    def _keyed(self, conversation: Conversation, tenant: str | None) -> Conversation:
-        """Its loaded images keyed for ``tenant`` (once, where the call enters)."""
-        turns = []
-        for turn in conversation.turns:
-            images = tuple(
-                ChatImage(image.ref, self._keyed_for(image.image, tenant)) for image in turn.images
-            )
-            turns.append(ChatTurn(turn.question, images, turn.answer))
-        return Conversation(tuple(turns), conversation.system)
-
-    def _keyed_for(self, image, tenant: str | None):
-        if image is None or isinstance(image, KeyedImage):
-            return image
-        return self.keyed_image(image, tenant)
-
     def _blank(
         self,
         session_id: str | None,
         conversation: Conversation,
         system: str,
         tenant: str | None,
+        added: list[AddedImage],
         transient: bool,
     ) -> str:
         """A new session holding nothing yet: its first turn starts on whatever prefix the
         pool holds for the conversation. Its opening (what ``prefix_sharing: opening`` shares:
         the prompt up to the first image under the operator's system prompt) is counted as an
-        open's would be."""
+        open's would be; ``added``: the conversation's images, the first one's tokens in it."""
         session_id = full_session_id(session_id)
         self.store.check_id_free(session_id)
         opening_tokens = 0  # a caller's own system prompt: nothing is shared as an opening
         if not conversation.system:
-            first = conversation.turns[0].images
-            tokens = 0
-            if first:
-                loaded = self.loaded
-                image = first[0].image.image
-                tokens = image_tokens_of(image, loaded.processor, loaded.image_aspect_ratio)
-            opening_tokens = len(self.loaded.prompt.opening_ids(bool(first), tokens, system))
+            with_image = bool(conversation.turns[0].images)
+            tokens = added[0].tokens if with_image else 0
+            opening = self.loaded.prompt.opening_ids(with_image, tokens, system)
+            opening_tokens = len(opening)
         sharing = Sharing(tenant, opening_tokens)
         with self.store.opening():
             session = Session(session_id, [], self.memory.hold(), sharing=sharing)
@@ -664,15 +659,10 @@ class Engine:
         on_token,
         cancelled,
         kept: int,
+        added: list[AddedImage],
     ) -> Answer:
-        images = conversation.images[kept:]
-        missing = [kept + i for i, image in enumerate(images) if image.image is None]
-        if missing:  # the caller asked images_to_fetch before the session moved on
-            raise SessionChanged(
-                f"session {session_id} no longer holds the conversation's images {missing} "
-                "(another request's turn came first); send the request again"
-            )
-        added = [self._added_image(session_id, image.image) for image in images]
+        """The turn: the session holds the conversation's first ``kept`` images, ``added``
+        are the rest."""
         request = ChatRequest(
             self.context,
             self.config.turn_deadline_s,
@@ -687,6 +677,20 @@ class Engine:
         )
         with self.store.asking(session_id):
             return self.loop.submit(request)
+
+    def _images_past(
+        self, session_id: str, conversation: Conversation, kept: int
+    ) -> list[AddedImage]:
+        """The conversation's images after the session's first ``kept``, as a turn brings
+        them; each must be loaded (``images_to_fetch``)."""
+        images = conversation.images[kept:]
+        missing = [kept + i for i, image in enumerate(images) if image.image is None]
+        if missing:  # the caller asked images_to_fetch before the session moved on
+            raise SessionChanged(
+                f"session {session_id} no longer holds the conversation's images {missing} "
+                "(another request's turn came first); send the request again"
+            )
+        return [self._added_image(session_id, image.image) for image in images]
 
     # -- helpers ---------------------------------------------------------------------------
     def _pixels(self, image: Image.Image) -> dict[str, torch.Tensor]:
@@ -714,6 +718,10 @@ class Engine:
         if not isinstance(image, KeyedImage):
             tenant = self.store.session(session_id).sharing.tenant
             image = self.keyed_image(image, tenant)
+        return self._added_keyed(image)
+
+    def _added_keyed(self, image: KeyedImage) -> AddedImage:
+        """A keyed image as a turn brings it: counted and preprocessed in the caller's thread."""
         loaded = self.loaded
         tokens = image_tokens_of(image.image, loaded.processor, loaded.image_aspect_ratio)
         return AddedImage(image.key, tokens, self._encoder(image))

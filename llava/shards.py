@@ -229,9 +229,7 @@ class ShardedEngine:
 
     def images_to_fetch(self, conversation, session_id: str | None = None) -> list[int]:
         """``Engine.images_to_fetch`` on the session's shard (all of them without one)."""
-        if session_id is None:
-            return list(range(len(conversation.images)))
-        index = self.shard_of(session_id)
+        index = 0 if session_id is None else self.shard_of(session_id)
         return self._call(index, self.shards[index].images_to_fetch, conversation, session_id)
 
     def chat(
@@ -246,18 +244,16 @@ class ShardedEngine:
         new_session: bool = False,
     ) -> Answer:
         """``Engine.chat``: on the session's shard; a new session placed and bound as an
-        open's is; a stateless answer on the placed shard. The conversation's first image
-        is keyed once, here, for placement (the shard that holds it)."""
+        open's is; a stateless answer on the placed shard. A new conversation's images are
+        keyed once, here: the first one places it (the shard that holds it)."""
         options = dict(cancelled=cancelled, tenant=tenant)
         if session_id is not None and not new_session:
             return self._turn_on(
                 session_id, "chat", conversation, session_id, parameters, on_token, **options
             )
+        conversation = self.shards[0].keyed_conversation(conversation, tenant)
         images = conversation.images
-        first = images[0].image if images else None
-        if first is not None and not isinstance(first, KeyedImage):
-            first = self.shards[0].keyed_image(first, tenant)
-        holder = self._holder_of(first)
+        holder = self._holder_of(images[0].image if images else None)
         if new_session:
             return self._start(
                 session_id,

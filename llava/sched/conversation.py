@@ -10,7 +10,9 @@ first image whose ref differs (with everything after it) is the turn's to bring.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import count
 from typing import Any
 
 from llava.errors import InvalidRequest
@@ -67,11 +69,22 @@ class Conversation:
                 messages.append(assistant_message(turn.answer))
         return messages
 
-    def with_answer(self, answer: str) -> Conversation:
-        """The conversation as its next call resends it, before the next question."""
-        *before, last = self.turns
-        answered = ChatTurn(last.question, last.images, answer)
-        return Conversation((*before, answered), self.system)
+    def with_images(self, images: Mapping[int, Any]) -> Conversation:
+        """The conversation with the images at these indexes (in the order it shows them)
+        replaced by the given ones (loaded, or keyed); the others as they are."""
+        shown = count()  # zip draws from it only while a turn has images left
+        turns = tuple(
+            ChatTurn(
+                turn.question,
+                tuple(
+                    ChatImage(image.ref, images.get(index, image.image))
+                    for image, index in zip(turn.images, shown, strict=False)
+                ),
+                turn.answer,
+            )
+            for turn in self.turns
+        )
+        return Conversation(turns, self.system)
 
 
 def held_refs(messages: list[dict], opening_images: int) -> list[str | None]:
