@@ -42,6 +42,7 @@ _COUNTERS = {
     ("runner", "attention_fallbacks"): "AttentionFallbacks",
     ("runner", "graph_capture_failures"): "GraphCaptureFailures",
     ("runner", "compile_fallbacks"): "CompileFallbacks",
+    ("runner", "device_out_of_memory"): "DeviceOutOfMemory",
     ("durable", "writes"): "DurableRecordWrites",
     ("durable", "feature_writes"): "DurableFeatureWrites",
     ("durable", "deletes"): "DurableRecordDeletes",

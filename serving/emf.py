@@ -54,6 +54,7 @@ COUNTERS = {
         "AttentionFallbacks",  # the worker degraded: the paged attention failed, sdpa serves
         "GraphCaptureFailures",  # decode graph buckets left eager
         "CompileFallbacks",  # the compiled layer pieces failed: they run eagerly
+        "DeviceOutOfMemory",  # steps or vision-tower runs answered KV_MEMORY_FULL: headroom short
         "DurableRecordWrites",  # the durable store's write-behind (docs/engine/sessions.md)
         "DurableFeatureWrites",
         "DurableRecordDeletes",

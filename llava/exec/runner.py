@@ -55,6 +55,7 @@ class RunnerCounters(Counters):
     attention_fallbacks: int = 0  # the paged path raised under "auto": switched to sdpa
     graph_capture_failures: int = 0  # decode graph buckets whose capture raised (run eagerly)
     compile_fallbacks: int = 0  # the compiled layer pieces raised: they run eagerly
+    device_out_of_memory: int = 0  # steps or vision-tower runs the device had no memory for
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,14 @@ class Runner:
         counted), comes at start and not in a request."""
         if self.pieces.compiled:
             self.pieces.warm_up(self.layer_weights[0])
+
+    def out_of_memory(self) -> None:
+        """A step or the vision tower ran out of device memory (the pool is allocated once, so
+        it was their activations): count it, and hand the allocator's cached blocks back so the
+        retry, or the next request, starts from all that is free."""
+        self._counters = self._counters.plus(device_out_of_memory=1)
+        if self.pool.kv.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def counters(self) -> RunnerCounters:
         """A snapshot: how often the runner degraded (attention fallbacks, graphs not captured,

@@ -4,7 +4,8 @@ Callers (many handler threads) put requests in an inbox and wait on their future
 iteration the loop starts what the scheduler admits, ends requests that were cancelled or ran
 out of time, then runs one step over the scheduler's plan and hands each request its next
 id. A request that fails fails alone: its future gets the exception, the others go on
-(docs/engine/scheduling.md §Engine loop). The one exception is an error that leaves the device
+(docs/engine/scheduling.md §Engine loop); one the device ran out of memory for is answered
+KV_MEMORY_FULL (``out_of_memory``). The one exception is an error that leaves the device
 unusable (``device_lost``): then every request fails, the loop stops and ``on_fatal`` is told.
 """
 
@@ -37,13 +38,30 @@ _DEVICE_LOST_MESSAGES = ("CUDA error", "device-side assert", "illegal memory acc
 def device_lost(error: BaseException) -> bool:
     """Whether ``error`` leaves the device unusable for this process: torch's
     ``AcceleratorError`` (where torch has it) or a RuntimeError that says so. Running out of
-    memory is not: the context survives it, and the memory manager answers it."""
-    if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error):
+    memory is not: the context survives it (``out_of_memory``)."""
+    if out_of_memory(error):
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True
     return isinstance(error, RuntimeError) and any(m in str(error) for m in _DEVICE_LOST_MESSAGES)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the device running out of memory: a step's activations or the
+    vision tower's did not fit beside the pool (the headroom, docs/engine/memory.md)."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
+
+
+def device_memory_full(error: BaseException) -> Busy:
+    """What a request the device had no memory for is answered: KV_MEMORY_FULL, to be retried
+    (its undo left every session as it was), not an internal error."""
+    busy = Busy(
+        "the device ran out of memory for this request (its activations did not fit beside "
+        "the sessions' memory); no session lost anything: retry"
+    )
+    busy.__cause__ = error
+    return busy
 
 
 class Request(Protocol):
@@ -241,6 +259,8 @@ class EngineLoop:
         except Exception as error:  # find which request(s) the step fails for, alone
             if device_lost(error):  # no request alone can succeed on this device
                 raise
+            if out_of_memory(error):  # alone, each step needs less
+                self.runner.out_of_memory()
             logger.exception("a step of %d sequences failed; retrying each alone", len(inputs))
             for request, _n in plan:
                 request.rewind()
@@ -284,6 +304,9 @@ class EngineLoop:
         if request in self.scheduler.running or request in self.scheduler.waiting:
             if device_lost(error):  # not this request's failure but the device's: _run
                 raise error
+            if out_of_memory(error):
+                self.runner.out_of_memory()
+                error = device_memory_full(error)
             self.scheduler.remove(request)
             self._settle(request, error)
 

@@ -12,7 +12,7 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
-from llava.errors import ShardFailed
+from llava.errors import Busy, ShardFailed
 from llava.kv.budget import MemoryBudget
 from llava.sched.loop import device_lost
 from llava.sessions.session import Tier
@@ -217,6 +217,79 @@ def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
     assert engine.ask(failing, QUESTIONS[0]).text == a.color
 
 
+def out_of_device_memory(*_args):
+    """What a full CUDA device raises. A CPU cannot run out of device memory, so this one error
+    is made here, not met; tests/unit/test_gpu.py fills a real device."""
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_a_turn_the_device_has_no_memory_for_is_answered_kv_memory_full(demo_model):
+    sample = held_out_samples(1, seed=62_000)[0]
+    engine = new_engine(demo_model)
+    session_id = engine.open(sample.image).session_id
+    engine.ask(session_id, QUESTIONS[0])
+    history = list(engine.store.session(session_id).token_ids)
+    step, engine.runner.next_ids = engine.runner.next_ids, out_of_device_memory
+    with pytest.raises(Busy) as refused:
+        engine.ask(session_id, QUESTIONS[1])
+    assert (refused.value.code, refused.value.retry_after_s) == ("KV_MEMORY_FULL", 1.0)
+    assert isinstance(refused.value.__cause__, torch.cuda.OutOfMemoryError)
+    assert engine.store.session(session_id).token_ids == history
+    # the step, then its retry alone (the allocator's cache handed back between them)
+    assert engine.stats().runner.device_out_of_memory == 2
+    engine.runner.next_ids = step
+    assert engine.ask(session_id, QUESTIONS[1]).text == sample.shape
+    engine.check_integrity()
+
+
+def test_an_open_whose_vision_tower_the_device_has_no_memory_for_holds_nothing(
+    demo_model, monkeypatch
+):
+    sample = held_out_samples(1, seed=62_500)[0]
+    engine = new_engine(demo_model)
+    monkeypatch.setattr(engine, "encode_image", out_of_device_memory)
+    with pytest.raises(Busy, match="ran out of memory"):
+        engine.open(sample.image)
+    stats = engine.stats()
+    assert (stats.sessions, stats.total_bytes, stats.runner.device_out_of_memory) == (0, 0, 1)
+    monkeypatch.undo()
+    assert engine.ask(engine.open(sample.image).session_id, QUESTIONS[0]).text == sample.color
+    engine.check_integrity()
+
+
+def test_a_batched_step_the_device_has_no_memory_for_answers_each_turn_alone(demo_model):
+    a, b = held_out_samples(2, seed=63_000)
+    long = {"max_new_tokens": 30, "min_new_tokens": 30}
+    alone = new_engine(demo_model)
+    expected = [alone.ask(alone.open(s.image).session_id, QUESTIONS[3], long).token_ids
+                for s in (a, b)]  # fmt: skip
+    engine = new_engine(demo_model)
+    first, second = (engine.open(s.image).session_id for s in (a, b))
+    step, sizes = engine.runner.next_ids, []
+
+    def full_once_for_two(batch):
+        sizes.append(len(batch))
+        if len(batch) > 1 and sizes.count(2) == 1:
+            out_of_device_memory()
+        return step(batch)
+
+    engine.runner.next_ids = full_once_for_two
+    streaming = threading.Event()
+    outcome = {}
+
+    def first_turn():
+        outcome[first] = engine.ask(first, QUESTIONS[3], long, lambda *_: streaming.set())
+
+    thread = threading.Thread(target=first_turn)
+    thread.start()
+    assert streaming.wait(timeout=60)
+    outcome[second] = engine.ask(second, QUESTIONS[3], long)
+    thread.join(timeout=60)
+    assert 2 in sizes and engine.stats().runner.device_out_of_memory == 1
+    assert [outcome[first].token_ids, outcome[second].token_ids] == expected
+    engine.check_integrity()
+
+
 DEVICE_ASSERT = torch.AcceleratorError("CUDA error: device-side assert triggered")
 
 
@@ -278,9 +351,15 @@ def test_a_step_that_loses_the_device_fails_every_request_stops_and_tells_on_fat
 
 
 @pytest.mark.parametrize(
-    "error", [RuntimeError("an ordinary bug"), torch.cuda.OutOfMemoryError("CUDA out of memory")]
+    "error, answered",
+    [
+        (RuntimeError("an ordinary bug"), RuntimeError),
+        (torch.cuda.OutOfMemoryError("CUDA out of memory"), Busy),  # KV_MEMORY_FULL, to retry
+    ],
 )
-def test_a_step_error_that_leaves_the_device_usable_fails_its_turn_alone(demo_model, error):
+def test_a_step_error_that_leaves_the_device_usable_fails_its_turn_alone(
+    demo_model, error, answered
+):
     sample = held_out_samples(1, seed=63_000)[0]
     engine = new_engine(demo_model)
     told: list[BaseException] = []
@@ -292,7 +371,7 @@ def test_a_step_error_that_leaves_the_device_usable_fails_its_turn_alone(demo_mo
         raise error
 
     engine.runner.next_ids = failing_step
-    with pytest.raises(type(error)):
+    with pytest.raises(answered):
         engine.ask(session_id, QUESTIONS[0])
     engine.runner.next_ids = step
     assert engine.loop.alive and told == []

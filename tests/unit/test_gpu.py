@@ -10,6 +10,7 @@ import torch
 from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
+from llava.errors import Busy
 from llava.kv.holding import Tier
 from llava.shards import ShardedEngine
 from tests.conftest import DEMO_MODEL_DIR
@@ -163,3 +164,67 @@ def four_sessions_on(image, system: str, share: bool) -> list[tuple[int, ...]]:
         answers = list(pool.map(two_turns, ids))
     engine.check_integrity()
     return answers
+
+
+def fill_device(device: torch.device) -> list[torch.Tensor]:
+    """Take every byte the device can still hand out, in halving sizes down to 512 B (the
+    allocator's smallest block), its cached blocks too: afterwards no allocation succeeds."""
+    ballast: list[torch.Tensor] = []
+    size = torch.cuda.mem_get_info(device)[0]
+    while size >= 512:
+        try:
+            ballast.append(torch.empty(size, dtype=torch.uint8, device=device))
+        except torch.cuda.OutOfMemoryError:
+            size //= 2
+    return ballast
+
+
+def test_a_full_device_answers_kv_memory_full_and_the_worker_keeps_serving():
+    """Every byte the device had free taken (another process, a leak): turns and opens are
+    answered or refused KV_MEMORY_FULL, never an out-of-memory error; with the memory back,
+    every session goes on."""
+    samples = held_out_samples(6, seed=38_000)
+    engine = cuda_engine("float32", max_batch=4)
+    ids = [engine.open(s.image).session_id for s in samples[:3]]
+    device = engine.loaded.device
+    outcomes = []
+    ballast = fill_device(device)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(512, dtype=torch.uint8, device=device)
+        with ThreadPoolExecutor(6) as pool:
+            asked = [pool.submit(engine.ask, i, "And its shape?") for i in ids]
+            opened = [pool.submit(engine.open, s.image) for s in samples[3:]]
+            for future in asked + opened:
+                try:
+                    future.result()  # anything but Busy fails the test
+                    outcomes.append("answered")
+                except Busy as refused:
+                    outcomes.append(refused.code)
+    finally:
+        del ballast
+        torch.cuda.empty_cache()
+    assert "KV_MEMORY_FULL" in outcomes and set(outcomes) <= {"answered", "KV_MEMORY_FULL"}
+    assert engine.stats().runner.device_out_of_memory >= outcomes.count("KV_MEMORY_FULL")
+    engine.check_integrity()
+    for session_id in ids:  # answered or refused, each session goes on
+        assert engine.ask(session_id, "What color is the shape?").text
+    assert engine.ask(engine.open(samples[5].image).session_id, "And its shape?").text
+
+
+def test_a_top_k_past_the_vocabulary_batched_with_other_turns_is_answered_and_they_go_on():
+    """The wire allows top_k up to 1,000,000 (hardening: it cuts nothing past the vocabulary);
+    on CUDA, in one batch with greedy turns, then every session's next turn."""
+    samples = held_out_samples(4, seed=39_000)
+    engine = cuda_engine("bfloat16", max_batch=4)
+    ids = [engine.open(s.image).session_id for s in samples]
+    step, sizes = engine.runner.next_ids, []
+    engine.runner.next_ids = lambda batch: sizes.append(len(batch)) or step(batch)
+    params = [{"max_new_tokens": 8}] * 3 + [{"top_k": 1_000_000, "seed": 3, "max_new_tokens": 8}]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i, p: engine.ask(i, "What color is the shape?", p), ids,
+                                params))  # fmt: skip
+    assert max(sizes) > 1 and all(a.token_ids for a in answers)
+    for session_id in ids:
+        assert engine.ask(session_id, "And its shape?").turns == 2
+    engine.check_integrity()
