@@ -19,21 +19,8 @@ token over 10 turns, for images of six aspect ratios that pick different pinpoin
 from __future__ import annotations
 
 import base64
-import json
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import torch
-from PIL import Image, ImageDraw
-from transformers import (
-    AutoTokenizer,
-    LlavaNextConfig,
-    LlavaNextForConditionalGeneration,
-    LlavaNextProcessor,
-    PreTrainedTokenizerBase,
-)
 
 from llava.config import EngineConfig
 from llava.engine import Engine
@@ -42,14 +29,10 @@ from llava.kv.holding import Tier
 from llava.model.loading import load_model
 from llava.model.vision import image_tokens, most_image_tokens
 from scripts.handler_harness import InProcessWorker
+from tests.families import FAMILIES, build_family, picture
 from tests.intake_servers import image_bytes
-from tests.mistral_tokenizer import mistral_tokenizer
 from tests.unit.test_checkpoint_fidelity import conversation, hf_inputs, last_prompt
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-NEXT = FIXTURES / "llava-v1.6-mistral-7b-hf"
-TILE_PX = 42  # 3 x 3 patches of 14 px a tile
-SCALE = TILE_PX / 336
 MAX_NEW = 6
 QUESTIONS = [
     "What is in the image?",
@@ -65,77 +48,6 @@ QUESTIONS = [
 ]
 # (width, height): square, 2:1, 1:2, 3:1, 1:3, and an odd one between pinpoints
 IMAGE_SIZES = [(100, 100), (160, 80), (80, 160), (150, 50), (50, 150), (97, 61)]
-
-# llava-hf/llava-v1.6-34b-hf's template (Yi-34B chat: ChatML), as its processor prints it.
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{{ content['text'] }}{% endfor %}{{'<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def fixture_template(name: str) -> str:
-    return json.loads((FIXTURES / name / "chat_template.json").read_text())["chat_template"]
-
-
-def llama_tokenizer():
-    """llava-1.5's LLaMA tokenizer (Vicuna's vocabulary), ``<image>`` 32000, ``<pad>`` 32001."""
-    return AutoTokenizer.from_pretrained(FIXTURES / "llava-1.5-7b-hf")
-
-
-@dataclass(frozen=True)
-class Family:
-    text: dict  # the text model's config (reduced sizes, the family's shape)
-    template: str
-    tokenizer: Callable[[], PreTrainedTokenizerBase] = llama_tokenizer
-
-
-TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
-FAMILIES = {
-    # Mistral-7B-Instruct-v0.2: GQA (32 query heads on 8 KV heads), rope theta 1e6, no window
-    "v1.6-mistral": Family(
-        {"num_attention_heads": 4, "num_key_value_heads": 2},  # the fixture's mistral text model
-        fixture_template("llava-v1.6-mistral-7b-hf"),
-        mistral_tokenizer,  # the checkpoint's own, from Mistral's SentencePiece model
-    ),
-    # Vicuna-7B/13B: LLaMA with one KV head per query head; llava-1.5's USER/ASSISTANT template
-    "v1.6-vicuna": Family(
-        {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 4},
-        fixture_template("llava-1.5-7b-hf"),
-    ),
-    # Yi-34B: LLaMA's layers with GQA (56 query heads on 8 KV heads), rope theta 5e6, ChatML
-    "v1.6-34b-yi": Family(
-        {
-            "model_type": "llama",
-            "num_attention_heads": 8,
-            "num_key_value_heads": 1,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6},
-        },
-        CHATML,
-    ),
-}
-
-
-def build_family(out: Path, family: Family) -> None:
-    raw = json.loads((NEXT / "config.json").read_text())
-    raw["text_config"].update(TINY_TEXT, **family.text)
-    raw["vision_config"].update(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        image_size=TILE_PX, projection_dim=32,
-    )  # fmt: skip
-    pinpoints = [[round(side * SCALE) for side in point] for point in raw["image_grid_pinpoints"]]
-    raw["image_grid_pinpoints"] = pinpoints
-    torch.manual_seed(0)
-    LlavaNextForConditionalGeneration(LlavaNextConfig(**raw)).save_pretrained(out)
-    processor = LlavaNextProcessor.from_pretrained(NEXT, tokenizer=family.tokenizer())
-    processor.image_processor.crop_size = {"height": TILE_PX, "width": TILE_PX}
-    processor.image_processor.size = {"shortest_edge": TILE_PX}
-    processor.image_processor.image_grid_pinpoints = pinpoints
-    processor.chat_template = family.template
-    processor.save_pretrained(out)
 
 
 # make test-fast keeps one family, Mistral (the checkpoint's own text model, GQA); make test runs
@@ -160,15 +72,6 @@ def loaded(request, tmp_path_factory):
 
 def new_engine(loaded) -> Engine:
     return Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 28, host_bytes=1 << 26))
-
-
-def picture(width: int, height: int) -> Image.Image:
-    """Shapes off-centre, so tiles and the unpadded grid's edges see different pixels."""
-    image = Image.new("RGB", (width, height), (30, 90, 160))
-    draw = ImageDraw.Draw(image)
-    draw.rectangle((width // 8, height // 6, width // 2, height // 2), fill=(220, 40, 40))
-    draw.ellipse((width // 2, height // 2, width - 3, height - 3), fill=(240, 220, 60))
-    return image
 
 
 def hf_answer(engine: Engine, inputs: dict) -> list[int]:

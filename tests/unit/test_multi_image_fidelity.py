@@ -25,8 +25,9 @@ from llava.kv.budget import MemoryBudget
 from llava.kv.holding import Tier
 from llava.model.loading import load_model
 from llava.model.vision import image_tokens
+from tests.families import FAMILIES, build_family
 from tests.unit.test_checkpoint_fidelity import build_tiny_llava15, hf_inputs, last_prompt
-from tests.unit.test_family_fidelity import FAMILIES, QUESTIONS, build_family
+from tests.unit.test_family_fidelity import QUESTIONS
 
 MAX_NEW = 6
 # (width, height) of NeXT images that pick different pinpoints: different token counts
