@@ -10,6 +10,7 @@ reports what it measured (docs/testing.md §GPU check).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import json
 import platform
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import traceback
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -222,36 +224,52 @@ def random_7b(plan: Plan):
     )
 
 
-def served_7b(plan: Plan, figures: Figures):
-    """The engine over ``random_7b`` as it is served on a GPU (the engine's own budget rule and
-    attention choice); on the CPU a bounded pool, and the paged flex path CUDA takes rather than
-    the CPU's own choice. Returns (engine, bytes of weights); the caller stops the engine."""
+def built_7b(plan: Plan, figures: Figures):
+    """``random_7b``, its weights' size and build time in ``figures``."""
+    start = time.perf_counter()
+    loaded = random_7b(plan)
+    figures["weights_gib"] = round(_weight_bytes(loaded) / GiB, 2)
+    figures["build_s"] = round(time.perf_counter() - start, 1)
+    return loaded
+
+
+def _weight_bytes(loaded) -> int:
+    return sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+
+
+def engine_over(loaded, plan: Plan, figures: Figures, sessions: int, pool_bytes: int | None = None):
+    """The engine over ``loaded`` as it is served on a GPU (the engine's own budget rule, or a
+    pool of ``pool_bytes``, and its own attention choice) for ``sessions`` at once; on the CPU
+    a bounded pool, and the paged flex path CUDA takes rather than the CPU's own choice. The
+    caller stops it."""
     from llava.config import EngineConfig
     from llava.engine import Engine
     from llava.kv.budget import memory_budget
 
-    start = time.perf_counter()
-    loaded = random_7b(plan)
-    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    figures["weights_gib"] = round(weights / GiB, 2)
-    figures["build_s"] = round(time.perf_counter() - start, 1)
     # Nothing shared: the stateless and recompute baselines compute everything again.
     if plan.cuda:
-        config = EngineConfig(model_dir=str(FIXTURE), prefix_sharing="off")
+        config = EngineConfig(model_dir=str(FIXTURE), session_budget_bytes=pool_bytes,
+                              prefix_sharing="off")  # fmt: skip
     else:
-        config = EngineConfig(model_dir=str(FIXTURE), session_budget_bytes=256 * MiB,
+        config = EngineConfig(model_dir=str(FIXTURE), session_budget_bytes=pool_bytes or 256 * MiB,
                               attention="flex", prefix_sharing="off")  # fmt: skip
     budget = memory_budget(config, plan.device)
-    config = replace(config, max_batch=max(plan.sessions))
-    engine = Engine(loaded, config, budget)
+    engine = Engine(loaded, replace(config, max_batch=sessions), budget)
     figures["pool_gib"] = round(engine.memory.pool.allocated_bytes / GiB, 2)
-    return engine, weights
+    return engine
+
+
+def served_7b(plan: Plan, figures: Figures):
+    """The engine over ``random_7b`` as it is served (``engine_over``) for the plan's largest
+    session count. Returns (engine, bytes of weights); the caller stops the engine."""
+    loaded = built_7b(plan, figures)
+    return engine_over(loaded, plan, figures, max(plan.sessions)), _weight_bytes(loaded)
 
 
 def table(plan: Plan, figures: Figures) -> None:
-    """The engine on the 7B shape: graph capture, decode at 1 session, turn-10 TTFT with KV
-    against re-prefilling, tokens/s at each session count, restore from the host tier against
-    recompute, allocator-reserved against accounted bytes."""
+    """The engine on the 7B shape: graph capture, an open, decode at 1 session, turn-10 TTFT
+    with KV against re-prefilling, tokens/s at each session count, restore from the host tier
+    against recompute, allocator-reserved against accounted bytes."""
     engine, weights = served_7b(plan, figures)
     try:
         with torch.inference_mode():
@@ -277,14 +295,8 @@ def _engine_figures(engine, plan: Plan, figures: Figures, weights: int) -> None:
     memory("warm_up")
     images = [s.image for s in held_out_samples(max(plan.sessions), seed=80_000)]
 
-    one = engine.open(images[0]).session_id
-    per_token = []
-    forced = {"max_new_tokens": plan.decode_tokens, "min_new_tokens": plan.decode_tokens}
-    for _ in range(3):
-        answer = engine.ask(one, QUESTIONS[1], forced)
-        per_token.append((answer.total_s - answer.ttft_s) / (len(answer.token_ids) - 1))
-    engine.close(one)
-    figures["decode_ms_per_token_1"] = round(statistics.median(per_token) * 1e3, 2)
+    _open_figures(engine, figures)
+    figures["decode_ms_per_token_1"], _ids = decode_ms_per_token(engine, images[0], plan)
     memory("decode")
 
     # Turn 10 with the session's KV, then the same turn after dropping the KV: re-prefilling
@@ -323,6 +335,35 @@ def _engine_figures(engine, plan: Plan, figures: Figures, weights: int) -> None:
     figures["recompute_ttft_ms"] = round(ttft[Tier.FEATURES] * 1e3, 1)
     figures["recompute_over_restore"] = round(ttft[Tier.FEATURES] / ttft[Tier.HOST], 2)
     memory("restore")
+
+
+def _open_figures(engine, figures: Figures) -> None:
+    """An open on llava-1.5 (the vision tower, the opening's prefill: its 576 image tokens and
+    the template's), the image decoded already: the median of 3 on different images, each
+    session closed after. An open returns once its prefill's next id reached the host: the
+    device's work is done by then."""
+    from demo_model.synthetic import held_out_samples
+
+    seconds = []
+    for sample in held_out_samples(3, seed=80_100):
+        start = time.perf_counter()
+        session = engine.open(sample.image).session_id
+        seconds.append(time.perf_counter() - start)
+        figures["open_prefill_tokens"] = len(engine.store.session(session).token_ids)
+        engine.close(session)
+    figures["open_ms"] = round(statistics.median(seconds) * 1e3, 1)
+
+
+def decode_ms_per_token(engine, image, plan: Plan) -> tuple[float, list[int]]:
+    """Decode ms/token at one session: 3 answers of ``plan.decode_tokens`` forced tokens in one
+    session, each one's time past its first token over the tokens after it; their median, and
+    the first answer's ids (greedy: a one-turn prompt's answer)."""
+    session = engine.open(image).session_id
+    forced = {"max_new_tokens": plan.decode_tokens, "min_new_tokens": plan.decode_tokens}
+    answers = [engine.ask(session, QUESTIONS[1], forced) for _ in range(3)]
+    engine.close(session)
+    per_token = [(a.total_s - a.ttft_s) / (len(a.token_ids) - 1) for a in answers]
+    return round(statistics.median(per_token) * 1e3, 2), list(answers[0].token_ids)
 
 
 def _memory_after(engine, plan: Plan, figures: Figures, weights: int, phase: str) -> None:
@@ -506,6 +547,148 @@ def _median_wall_s(plan: Plan, call, inputs: tuple, reps: int) -> float:
     return statistics.median(times)
 
 
+# -- hf_generate ----------------------------------------------------------------------------
+# One session's pool in hf_generate: the engine's default takes most of the free memory.
+HF_STEP_POOL = 4 * GiB
+HF_VARIANTS = ("eager", "static", "compiled")
+STATIC = {"cache_implementation": "static"}
+FIRST_TOKENS = 8  # the greedy ids compared between transformers' generate and ours
+
+
+def hf_generate(plan: Plan, figures: Figures) -> None:
+    """transformers' own ``generate`` against the engine at one session, on one random 7B
+    (the same weights) in one process: HF's decode ms/token eager (its dynamic cache), with a
+    static cache, then ours (the engine as served, a bounded pool), then HF's static cache
+    with its forward compiled, last: a compile that overruns the budget costs that figure
+    alone. A variant that raises writes ``hf_<variant>_error`` and the next runs. Greedy,
+    the engine's banned ids suppressed, one real llava-1.5 prompt with one image."""
+    from torch._inductor import config as inductor
+
+    from demo_model.synthetic import held_out_samples
+
+    inductor.compile_threads = 1  # a failed compile raises its own error, in this process
+    loaded = built_7b(plan, figures)
+    image = held_out_samples(1, seed=84_000)[0].image
+    measure = partial(_hf_ms_per_token, loaded, _hf_inputs(loaded, image), plan)
+    answers = [
+        _hf_variant(figures, "eager", measure),
+        _hf_variant(figures, "static", measure, disable_compile=True, **STATIC),
+    ]
+    _free_cached(plan)  # HF's caches, before our pool is sized
+    ours = _ours_at_one_session(loaded, image, plan, figures)
+    hf = next(filter(None, answers), None)
+    if hf is not None:  # fp32 on the CPU: token-equal; bf16 on a GPU may differ
+        figures["first_tokens_equal"] = ours[:FIRST_TOKENS] == hf[:FIRST_TOKENS]
+    _ours_over_hf(figures)
+    _free_cached(plan)
+    _hf_variant(figures, "compiled", measure, compile_config=_compile_config(plan), **STATIC)
+    # generate made its compiled forward (else the figure is its eager static one again)
+    figures["hf_compiled_forward"] = "_compiled_call" in vars(loaded.model)
+    _ours_over_hf(figures)
+
+
+def _ours_at_one_session(loaded, image, plan: Plan, figures: Figures) -> list[int]:
+    """Our decode ms/token at one session on ``loaded`` (as the table measures it), the engine
+    warmed up and its graphs captured as served, on a pool that one session fits; returns the
+    first answer's ids."""
+    pool_bytes = HF_STEP_POOL if plan.cuda else None
+    engine = engine_over(loaded, plan, figures, sessions=1, pool_bytes=pool_bytes)
+    try:
+        with torch.inference_mode():
+            figures["warm_up_s"] = round(engine.warm_up(), 1)
+            figures["ours_ms_per_token_1"], ids = decode_ms_per_token(engine, image, plan)
+    finally:
+        engine.stop()
+    return ids
+
+
+def _hf_inputs(loaded, image) -> dict:
+    """The engine's own first-turn prompt (its template, the image expanded to its tokens)
+    and pixels (its preprocessing), as ``generate`` takes them."""
+    from llava.model.prompt import user_message
+    from llava.model.vision import image_tokens_of, vision_inputs
+
+    processor = loaded.processor
+    tokens = image_tokens_of(image, processor, loaded.image_aspect_ratio)
+    ids = loaded.prompt.ids([user_message(QUESTIONS[1], 1)], tokens)
+    pixels = vision_inputs(image, processor.image_processor, loaded.image_aspect_ratio)
+    return {"input_ids": torch.tensor([ids], device=loaded.device),
+            "pixel_values": pixels["pixel_values"].to(loaded.device, loaded.dtype)}  # fmt: skip
+
+
+def _hf_ms_per_token(loaded, inputs: dict, plan: Plan, **options) -> tuple[float, float, list]:
+    """HF's decode ms/token at batch 1: (time of N new tokens - time of 1) / (N - 1), the
+    median of 3, after a first call of N (a compile, a graph capture); returns (that first
+    call's seconds, ms/token, its greedy ids)."""
+    from llava.sampling.logits_mask import banned_token_ids
+
+    vocab = loaded.model.config.text_config.vocab_size
+    banned = banned_token_ids(loaded.tokenizer, vocab, loaded.eos_token_ids)
+    prompt = inputs["input_ids"].shape[1]
+
+    def timed(tokens: int) -> tuple[float, torch.Tensor]:
+        sync(plan)
+        start = time.perf_counter()
+        out = loaded.model.generate(**inputs, do_sample=False, max_new_tokens=tokens,
+                                    min_new_tokens=tokens, suppress_tokens=banned,
+                                    **options)  # fmt: skip
+        sync(plan)
+        return time.perf_counter() - start, out
+
+    n = plan.decode_tokens
+    first_s, out = timed(n)
+    per_token = [(timed(n)[0] - timed(1)[0]) / (n - 1) for _ in range(3)]
+    ms = round(statistics.median(per_token) * 1e3, 2)
+    return round(first_s, 1), ms, out[0, prompt:].tolist()
+
+
+def _hf_variant(figures: Figures, variant: str, measure, **options) -> list[int] | None:
+    """``measure(**options)``'s figures as ``hf_<variant>_...`` and its greedy ids; or, if it
+    raises, its error's first line as ``hf_<variant>_error`` and None."""
+    from scripts.gpu.check import error_line
+
+    try:
+        first_s, ms, ids = measure(**options)
+    except Exception as error:
+        traceback.print_exc()
+        figures[f"hf_{variant}_error"] = error_line(error)
+        return None
+    figures[f"hf_{variant}_first_call_s"] = first_s
+    figures[f"hf_{variant}_ms_per_token"] = ms
+    return ids
+
+
+def _compile_config(plan: Plan):
+    """None on CUDA: with a static cache ``generate`` compiles its forward itself (inductor,
+    reduce-overhead). Elsewhere it does not unless told to (``_compile_all_devices``,
+    transformers' own switch for tests); on the CPU traced by dynamo and run by aot_eager, as
+    the compile step does there: the path is what a CPU run proves, not the speed."""
+    from transformers import CompileConfig
+
+    if plan.cuda:
+        return None
+    config = CompileConfig(backend="aot_eager", mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def _ours_over_hf(figures: Figures) -> None:
+    """Ours against the fastest HF variant measured so far (``hf_best``)."""
+    measured = {variant: figures[f"hf_{variant}_ms_per_token"]
+                for variant in HF_VARIANTS
+                if f"hf_{variant}_ms_per_token" in figures}  # fmt: skip
+    if measured and "ours_ms_per_token_1" in figures:
+        figures["hf_best"] = min(measured, key=measured.get)
+        ratio = figures["ours_ms_per_token_1"] / measured[figures["hf_best"]]
+        figures["ours_over_hf"] = round(ratio, 3)
+
+
+def _free_cached(plan: Plan) -> None:
+    gc.collect()
+    if plan.cuda:
+        torch.cuda.empty_cache()
+
+
 # -- tests ----------------------------------------------------------------------------------
 def cuda_test_files() -> list[str]:
     """Every unit-test file with a test marked ``gpu`` (it needs CUDA). Named rather than the
@@ -605,4 +788,5 @@ def shard_table(
 
 
 STEPS = {"preflight": preflight, "attention": attention, "table": table, "tests": tests,
-         "shards": shards, "profile": profile, "compile": whole_step_compile}  # fmt: skip
+         "shards": shards, "profile": profile, "compile": whole_step_compile,
+         "hf_generate": hf_generate}  # fmt: skip

@@ -16,7 +16,16 @@ import torch
 from torch.autograd import DeviceType
 
 from scripts.gpu.check import DEFAULT_STEPS
-from scripts.gpu.steps import _where_time_went, cuda_test_files, cuda_tests_problem, outcome_counts
+from scripts.gpu.steps import (
+    HF_VARIANTS,
+    Figures,
+    _hf_variant,
+    _ours_over_hf,
+    _where_time_went,
+    cuda_test_files,
+    cuda_tests_problem,
+    outcome_counts,
+)
 
 # each step is a child process that imports torch
 thorough = pytest.mark.thorough
@@ -50,7 +59,8 @@ def test_every_step_runs_on_the_cpu_and_writes_its_line(tmp_path):
                 "ttft_turn10_stateless_over_kv", "recompute_over_restore"):  # fmt: skip
         assert table[key] > 0, key
     assert table["turn10_prefill_tokens"] > 576  # the image and nine turns, prefilled again
-    # every CUDA test was collected (test_gpu.py's 7, the pool's allocator test), and skipped
+    assert table["open_ms"] > 0 and table["open_prefill_tokens"] > 576  # the image, its prompt
+    # every CUDA test was collected (test_gpu.py's, the pool's allocator test, ...), and skipped
     assert figures["tests"]["skipped"] >= 8 and "passed" not in figures["tests"]
     assert "tests/unit/test_kv_pool.py" in figures["tests"]["files"]
     assert figures["shards"]["sessions_by_shard"] == [2, 2]
@@ -61,6 +71,21 @@ def test_every_step_runs_on_the_cpu_and_writes_its_line(tmp_path):
     assert prefill["new_tokens"] > 1 and prefill["ttft_ms"] > 0 and prefill["top_host_ms_per_step"]
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"== {step}: ok" in log for step in DEFAULT_STEPS)
+
+
+@thorough
+def test_hf_generate_measures_transformers_and_ours_on_the_same_weights(tmp_path):
+    done, lines = gpu_check(tmp_path, "--device", "cpu", "--steps", "hf_generate")
+    assert done.returncode == 0, done.stdout[-3000:]
+    (line,) = lines
+    figures = line["figures"]
+    assert line["ok"] and not [key for key in figures if key.endswith("_error")], figures
+    hf = {variant: figures[f"hf_{variant}_ms_per_token"] for variant in HF_VARIANTS}
+    assert all(ms > 0 for ms in hf.values()), hf
+    assert figures["hf_compiled_forward"]  # generate ran its compiled forward, not eager again
+    assert figures["hf_best"] == min(hf, key=hf.get)
+    assert figures["ours_over_hf"] == round(figures["ours_ms_per_token_1"] / min(hf.values()), 3)
+    assert figures["first_tokens_equal"] is True  # fp32: transformers' greedy ids, and ours
 
 
 @thorough
@@ -88,6 +113,26 @@ def test_a_gpu_experiment_without_cuda_says_so_in_one_line(command):
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [done.stdout.strip()] and "no CUDA device" in done.stdout
+
+
+# -- hf_generate's variants --------------------------------------------------------------------
+def test_a_failing_hf_variant_costs_its_own_figure_and_ours_is_set_against_the_best(tmp_path):
+    figures = Figures(tmp_path / "figures.json")
+
+    def no_compile(**options):
+        raise RuntimeError("no compile here\nits traceback")
+
+    assert _hf_variant(figures, "compiled", no_compile) is None
+    assert figures["hf_compiled_error"] == "RuntimeError: no compile here"
+    assert _hf_variant(figures, "eager", lambda **options: (0.1, 8.0, [7, 9])) == [7, 9]
+    assert figures["hf_eager_ms_per_token"] == 8.0 and figures["hf_eager_first_call_s"] == 0.1
+    figures["hf_static_ms_per_token"] = 10.0
+    _ours_over_hf(figures)
+    assert "ours_over_hf" not in figures  # ours not measured yet
+    figures["ours_ms_per_token_1"] = 4.0
+    _ours_over_hf(figures)
+    assert (figures["hf_best"], figures["ours_over_hf"]) == ("eager", 0.5)
+    assert json.loads(figures.path.read_text())["ours_over_hf"] == 0.5  # written as found
 
 
 # -- the tests step's rule ---------------------------------------------------------------------
