@@ -21,16 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from llava.exec import triton_decode
+from llava.exec import compiler, triton_decode
 
 # Compiled once per process: eager flex_attention is a slow reference that materialises every
-# score. Each model geometry, pool size and row bucket is its own graph: a test run's many
-# small models need more than dynamo's default limit of 8.
+# score. Each model geometry, pool size and row bucket is its own graph (llava.exec.compiler).
 _compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+compiler.for_this_thread()
 
 # Row counts the kernel is compiled for: a step's rows are padded up to the next (copies of its
 # first row, whose outputs are dropped). Static shapes, because the CPU kernel generated for a

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch._dynamo
-import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
@@ -240,9 +239,7 @@ class LayerPieces:
         self.compiled = compile
         self.compile_fallbacks = 0
         self._pre = self._post = None
-        if compile:
-            # In-process compile: a failure shows its own error, not SubprocException.
-            torch._inductor.config.compile_threads = 1
+        if compile:  # compiled in the engine loop's thread, in process (llava.exec.compiler)
             options = {"fullgraph": True, "dynamic": False, "backend": backend}
             self._pre = torch.compile(pre_attention, **options)
             self._post = torch.compile(post_attention, **options)

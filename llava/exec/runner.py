@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from llava.config import ATTENTION, SettingsError
 from llava.counters import Counters
+from llava.exec import compiler, triton_decode
 from llava.exec import graphs as decode_graphs
-from llava.exec import triton_decode
 from llava.exec.attention import PAGED, PagedRows, attend_paged, padded_rows, paged_rows
 from llava.exec.graphs import GRAPHS_BUDGET_FLOOR, DecodeGraphs, one_line
 from llava.exec.layers import LayerPieces, merge_problem, merge_projections
@@ -278,6 +278,12 @@ class Runner:
         counted), comes at start and not in a request."""
         if self.pieces.compiled:
             self.pieces.warm_up(self.layer_weights[0])
+
+    def enter_thread(self) -> None:
+        """Called by the thread that will run the model (the engine loop's) before it runs
+        anything: torch's compiler settings are per thread (llava.exec.compiler). The layer
+        pieces' compile runs in process, so that a failure shows its own error."""
+        compiler.for_this_thread(in_process=self.pieces.compiled)
 
     def out_of_memory(self) -> None:
         """A step or the vision tower ran out of device memory (the pool is allocated once, so

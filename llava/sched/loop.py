@@ -160,6 +160,7 @@ class EngineLoop:
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        self.runner.enter_thread()
         lost: BaseException | None = None
         while not self._stopped:
             try:

@@ -13,6 +13,7 @@ from demo_model.synthetic import held_out_samples
 from llava.config import EngineConfig
 from llava.engine import Engine
 from llava.errors import Busy, ShardFailed
+from llava.exec import compiler
 from llava.kv.budget import MemoryBudget
 from llava.sched.loop import device_lost
 from llava.sessions.session import Tier
@@ -215,6 +216,20 @@ def test_a_step_that_fails_for_one_sequence_fails_only_its_turn(demo_model):
     assert session.tier is Tier.FEATURES and session.token_ids == history
     engine.runner.next_ids = step
     assert engine.ask(failing, QUESTIONS[0]).text == a.color
+
+
+def test_the_loops_thread_compiles_under_the_engines_compiler_settings(demo_model):
+    """torch's compiler settings are per thread: one set at import, in this thread, was not in
+    force in the loop's, where the compiles run (a ninth flex graph failed under the default
+    recompile limit of 8)."""
+    engine = new_engine(demo_model)
+    fresh = []
+    thread = threading.Thread(target=lambda: fresh.append(torch._dynamo.config.recompile_limit))
+    thread.start()
+    thread.join()
+    assert fresh != [compiler.RECOMPILE_LIMIT]  # what any other thread starts with
+    in_loop = engine.loop.call(lambda: torch._dynamo.config.recompile_limit)
+    assert in_loop == compiler.RECOMPILE_LIMIT
 
 
 def out_of_device_memory(*_args):
