@@ -100,9 +100,10 @@ def hf_inputs(loaded, messages) -> dict:
     )
 
 
-def hf_generate(engine: Engine, inputs: dict) -> list[int]:
+def hf_generate(engine: Engine, inputs: dict, max_new: int = MAX_NEW) -> list[int]:
+    """HF's own greedy answer, the engine's banned ids suppressed as the engine does."""
     out = engine.loaded.model.generate(
-        **inputs, do_sample=False, max_new_tokens=MAX_NEW, suppress_tokens=engine.context.banned_ids
+        **inputs, do_sample=False, max_new_tokens=max_new, suppress_tokens=engine.context.banned_ids
     )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 

@@ -31,7 +31,7 @@ from llava.model.vision import image_tokens, most_image_tokens
 from scripts.handler_harness import InProcessWorker
 from tests.families import FAMILIES, build_family, picture
 from tests.intake_servers import image_bytes
-from tests.unit.test_checkpoint_fidelity import conversation, hf_inputs, last_prompt
+from tests.unit.test_checkpoint_fidelity import conversation, hf_generate, hf_inputs, last_prompt
 
 MAX_NEW = 6
 QUESTIONS = [
@@ -74,13 +74,6 @@ def new_engine(loaded) -> Engine:
     return Engine(loaded, EngineConfig(model_dir="-"), MemoryBudget(1 << 28, host_bytes=1 << 26))
 
 
-def hf_answer(engine: Engine, inputs: dict) -> list[int]:
-    out = engine.loaded.model.generate(
-        **inputs, do_sample=False, max_new_tokens=MAX_NEW, suppress_tokens=engine.context.banned_ids
-    )
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 # make test-fast keeps the odd, non-square size (of its one family); make test runs all six
 @pytest.mark.parametrize(
     "size",
@@ -106,7 +99,7 @@ def test_ten_turns_equal_hf_generate_token_for_token(loaded, size):
         canonical = inputs["input_ids"][0].tolist()
         assert canonical.count(loaded.model.config.image_token_id) == counted
         assert last_prompt(engine, opened.session_id, answer) == canonical, question
-        assert list(answer.token_ids) == hf_answer(engine, inputs), question
+        assert list(answer.token_ids) == hf_generate(engine, inputs, MAX_NEW), question
         # the KV of the previous prompt was reused, but for the pool block where the history
         # and the new prompt part (a random model's answer may start without a space, which
         # the template's " " + answer then tokenizes otherwise)
@@ -135,7 +128,7 @@ def test_a_session_moved_down_a_tier_goes_on_as_hf_generate(loaded, tier):
                 engine.memory.move_down(holding)
         answer = engine.ask(session_id, question, {"max_new_tokens": MAX_NEW})
         inputs = hf_inputs(loaded, conversation(turns, question, image))
-        assert list(answer.token_ids) == hf_answer(engine, inputs), question
+        assert list(answer.token_ids) == hf_generate(engine, inputs, MAX_NEW), question
         assert answer.tier is (tier if n == 2 else Tier.KV)
         turns.append((question, answer.text))
 
@@ -169,7 +162,7 @@ def test_the_handler_serves_a_session_over_the_wire(loaded):
         reply = worker.invoke({**body, "parameters": {"max_new_tokens": MAX_NEW}}, session)
         assert reply.status == 200, reply.text
         inputs = hf_inputs(loaded, conversation([], QUESTIONS[0], image))
-        expected = hf_answer(engine, inputs)
+        expected = hf_generate(engine, inputs, MAX_NEW)
         text = loaded.tokenizer.decode(expected, skip_special_tokens=True)
         assert reply.json()["generation"]["text"] == text
     finally:

@@ -15,6 +15,7 @@ from llava.kv.holding import Tier
 from llava.shards import ShardedEngine
 from tests.conftest import DEMO_MODEL_DIR
 from tests.unit.test_engine import CONVERSATION, full_recompute, prompt_of_last_turn
+from tests.unit.test_engine_loop import record_batch_sizes
 
 # The demo model's engines get a bounded pool: the device's default share would be millions of
 # its tiny blocks, and every step's block tables and mask are as wide as the pool.
@@ -218,8 +219,7 @@ def test_a_top_k_past_the_vocabulary_batched_with_other_turns_is_answered_and_th
     samples = held_out_samples(4, seed=39_000)
     engine = cuda_engine("bfloat16", max_batch=4)
     ids = [engine.open(s.image).session_id for s in samples]
-    step, sizes = engine.runner.next_ids, []
-    engine.runner.next_ids = lambda batch: sizes.append(len(batch)) or step(batch)
+    sizes = record_batch_sizes(engine)
     params = [{"max_new_tokens": 8}] * 3 + [{"top_k": 1_000_000, "seed": 3, "max_new_tokens": 8}]
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda i, p: engine.ask(i, "What color is the shape?", p), ids,

@@ -26,7 +26,12 @@ from llava.kv.holding import Tier
 from llava.model.loading import load_model
 from llava.model.vision import image_tokens
 from tests.families import FAMILIES, build_family
-from tests.unit.test_checkpoint_fidelity import build_tiny_llava15, hf_inputs, last_prompt
+from tests.unit.test_checkpoint_fidelity import (
+    build_tiny_llava15,
+    hf_generate,
+    hf_inputs,
+    last_prompt,
+)
 from tests.unit.test_family_fidelity import QUESTIONS
 
 MAX_NEW = 6
@@ -117,13 +122,6 @@ def messages_of(turns: list[Turn], opening: Image.Image | None) -> list[dict]:
     return messages
 
 
-def hf_answer(engine: Engine, inputs: dict) -> list[int]:
-    out = engine.loaded.model.generate(
-        **inputs, do_sample=False, max_new_tokens=MAX_NEW, suppress_tokens=engine.context.banned_ids
-    )
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 @dataclass
 class Chat:
     """One engine session and the conversation HF is given for it; ``ask`` checks each turn
@@ -164,7 +162,7 @@ class Chat:
         assert answer.images == len(held), question
         if tier is not None:
             assert answer.tier is tier, question
-        assert list(answer.token_ids) == hf_answer(engine, inputs), question
+        assert list(answer.token_ids) == hf_generate(engine, inputs, MAX_NEW), question
         self.turns = [*asked[:-1], Turn(question, image, answer.text)]
         return answer
 
@@ -211,7 +209,7 @@ def test_llava15_ten_turns_with_three_images_equal_hf_generate(llava15):
         if n == 3:  # the oracle tells the images apart: another image there, another answer
             other = [*chat.turns[:-1], Turn(question, eighth, None)]
             inputs = hf_inputs(llava15, messages_of(other, first))
-            assert hf_answer(engine, inputs) != list(answer.token_ids)
+            assert hf_generate(engine, inputs, MAX_NEW) != list(answer.token_ids)
     assert answer.images == 3 and engine.store.session(chat.session_id).turns == len(QUESTIONS)
 
 

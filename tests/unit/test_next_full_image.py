@@ -20,6 +20,7 @@ from tests.families import FAMILIES, build_family, picture
 from tests.unit.test_checkpoint_fidelity import conversation, hf_generate, hf_inputs, last_prompt
 from tests.unit.test_family_fidelity import QUESTIONS
 
+MAX_NEW = 8
 CUDA = pytest.param(
     "cuda",
     marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
@@ -46,9 +47,9 @@ def test_a_square_image_opens_2928_tokens_and_answers_as_hf_generate(checkpoint,
     assert opened.image_tokens == image_tokens(loaded.processor, *image.size) == 2928
     turns: list[tuple[str, str]] = []
     for question in QUESTIONS[:3]:
-        answer = engine.ask(opened.session_id, question, {"max_new_tokens": 8})
+        answer = engine.ask(opened.session_id, question, {"max_new_tokens": MAX_NEW})
         inputs = hf_inputs(loaded, conversation(turns, question, image)).to(device)
         assert last_prompt(engine, opened.session_id, answer) == inputs["input_ids"][0].tolist()
-        assert list(answer.token_ids) == hf_generate(engine, inputs), question
+        assert list(answer.token_ids) == hf_generate(engine, inputs, MAX_NEW), question
         turns.append((question, answer.text))
     engine.check_integrity()
